@@ -1,0 +1,84 @@
+"""Pass-by-pass dumps: the readable graph before/after each pass, op histograms, time and drift, and a summary."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from fxllm.compiler.program import Program
+
+
+def op_name(node) -> str:
+    if node.op != "call_function":
+        return node.op
+    return str(node.target) if hasattr(node.target, "_schema") else getattr(node.target, "__name__", str(node.target))
+
+
+def op_histogram(program: Program) -> Counter:
+    return Counter(op_name(n) for n in program.graph.nodes if n.op in ("call_function", "placeholder", "get_attr"))
+
+
+def signature_text(program: Program) -> str:
+    rows = [f"  in  {s.name}: {s.dtype}[{', '.join(map(str, s.dims))}]" for s in program.inputs]
+    rows += [f"  out {s.name}: {s.dtype}[{', '.join(map(str, s.dims))}]" for s in program.outputs]
+    return "\n".join(rows)
+
+
+class DumpWriter:
+    def __init__(self, directory: str):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def render(self, program: Program) -> str:
+        code = program.graph_module.print_readable(
+            print_output=False, include_stride=False, include_device=False, colored=False
+        )
+        facts = ", ".join(sorted(program.facts)) or "-"
+        return f"# facts: {facts}\n# signature:\n{signature_text(program)}\n\n{code}"
+
+    def write_captured(self, program: Program) -> None:
+        (self.directory / "00_captured.txt").write_text(self.render(program))
+        (self.directory / "00_captured.ops.txt").write_text(_histogram_text(op_histogram(program), None))
+
+    def write_pass(self, record, before_text: str, before_ops: Counter, program: Program) -> None:
+        stem = f"{record.index:02d}_{record.name}"
+        (self.directory / f"{stem}.before.txt").write_text(before_text)
+        (self.directory / f"{stem}.after.txt").write_text(self.render(program))
+        (self.directory / f"{stem}.ops.txt").write_text(_histogram_text(op_histogram(program), before_ops))
+        drift = record.drift
+        report = {
+            "pass": record.name,
+            "options": record.options,
+            "seconds": round(record.seconds, 4),
+            "nodes": {"before": record.nodes_before, "after": record.nodes_after},
+            "drift_vs_captured": drift.to_dict(),
+        }
+        (self.directory / f"{stem}.report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    def write_summary(self, records: list) -> None:
+        header = f"{'#':>2}  {'pass':<16} {'time s':>8} {'nodes':>13} {'max|Δlogit|':>12} {'mean KL':>10} {'greedy':>7}"
+        lines = ["fxllm pass summary (drift is against the captured model on a fixed 2x16-token sample)", "", header,
+                 "-" * len(header)]
+        for r in records:
+            d = r.drift
+            lines.append(
+                f"{r.index:>2}  {r.name:<16} {r.seconds:>8.3f} {r.nodes_before:>6}→{r.nodes_after:<6} "
+                f"{d.max_abs_logit:>12.3e} {d.mean_kl:>10.2e} {d.greedy_agreement:>7.1%}"
+            )
+        (self.directory / "summary.txt").write_text("\n".join(lines) + "\n")
+        (self.directory / "summary.json").write_text(
+            json.dumps([{"pass": r.name, "options": r.options, "seconds": r.seconds, "drift": r.drift.to_dict()}
+                        for r in records], indent=2) + "\n"
+        )
+
+
+def _histogram_text(after: Counter, before: Counter | None) -> str:
+    names = sorted(set(after) | set(before or {}), key=lambda n: (-after.get(n, 0), n))
+    if before is None:
+        return "\n".join(f"{after[n]:>6}  {n}" for n in names) + "\n"
+    rows = [f"{'before':>6} {'after':>6} {'Δ':>6}  op"]
+    for n in names:
+        b, a = before.get(n, 0), after.get(n, 0)
+        rows.append(f"{b:>6} {a:>6} {a - b:>+6}  {n}" if a != b else f"{b:>6} {a:>6} {'':>6}  {n}")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,59 @@
+"""Lowering: Program → torch.export (dynamic batch/tokens/past) → ONNX (opset 23, standard ops, external weights)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+
+from fxllm.compiler.interface import make_input, sample_dims
+from fxllm.compiler.onnx_translations import TRANSLATIONS
+from fxllm.compiler.program import Program
+from fxllm.errors import UnsupportedModelError
+
+OPSET = 23
+TARGETS = ("ort",)
+
+
+def export_program(program: Program) -> torch.export.ExportedProgram:
+    """Re-export the rewritten graph; every symbolic dim in the signature becomes a torch.export.Dim."""
+    names = sorted({d for sig in program.inputs for d in sig.dims if isinstance(d, str)})
+    dims = {name: torch.export.Dim(name) for name in names}
+    sizes = sample_dims()
+    args = tuple(make_input(sig, sizes) for sig in program.inputs)
+    dynamic = tuple({i: dims[d] for i, d in enumerate(sig.dims) if isinstance(d, str)} for sig in program.inputs)
+    with torch.no_grad():
+        return torch.export.export(program.graph_module, args, dynamic_shapes=dynamic, strict=False)
+
+
+def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort") -> onnx.ModelProto:
+    """Write `path` (+ `path`.data with the weights) and return the model proto without weights, checked."""
+    if target not in TARGETS:
+        raise UnsupportedModelError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
+    exported = export_program(program)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onnx_program = torch.onnx.export(
+            exported,
+            dynamo=True,
+            opset_version=OPSET,
+            custom_translation_table=TRANSLATIONS,
+            input_names=[sig.name for sig in program.inputs],
+            output_names=[sig.name for sig in program.outputs],
+            optimize=True,
+            verbose=False,
+        )
+    path = Path(path)
+    onnx_program.save(str(path), external_data=True)
+    check_onnx(path)
+    return onnx.load(str(path), load_external_data=False)
+
+
+def check_onnx(path: Path) -> None:
+    """onnx.checker plus strict full shape inference (both read external data by path)."""
+    onnx.checker.check_model(str(path), full_check=True)

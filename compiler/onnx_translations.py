@@ -1,0 +1,46 @@
+"""ONNX translations of fxllm's torch ops (compiler/ops.py), for torch.onnx.export's custom_translation_table.
+
+Plain functions over onnxscript's opset 23 (a @script function fails to inline across opsets). Only standard ONNX
+ops: the same graph must stay parseable by TensorRT's ONNX parser later (see docs/targets.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from onnxscript import opset23 as op
+
+from fxllm.compiler import ops  # noqa: F401 - registers torch.ops.fxllm.*
+
+BOOL = 9  # onnx.TensorProto.BOOL
+
+
+def attention(q, k, v, scale: float):
+    """fxllm::attention → Attention(is_causal=1); 4D q/k/v, GQA from the head counts of q and k."""
+    out, _, _, _ = op.Attention(q, k, v, is_causal=1, scale=scale)
+    return out
+
+
+def causal_mask(attention_mask, input_ids):
+    """fxllm::causal_mask → bool [B,1,T,S]: (key ≤ query position ∧ key not padding) ∨ key = query."""
+    one = op.Constant(value_int=1)
+    total = op.Squeeze(op.Shape(attention_mask, start=1, end=2))
+    new = op.Squeeze(op.Shape(input_ids, start=1, end=2))
+    query_pos = op.Unsqueeze(op.Range(op.Sub(total, new), total, one), op.Constant(value_ints=[1]))
+    key_pos = op.Range(op.Constant(value_int=0), total, one)
+    causal = op.LessOrEqual(key_pos, query_pos)
+    is_self = op.Equal(key_pos, query_pos)
+    not_padding = op.Unsqueeze(op.Cast(attention_mask, to=BOOL), op.Constant(value_ints=[1, 2]))
+    return op.Or(op.And(causal, not_padding), is_self)
+
+
+def attention_kv(q, k, v, past_k, past_v, mask, scale: float):
+    """fxllm::attention_kv → Attention with past_key/past_value in and present_key/present_value out."""
+    out, present_k, present_v, _ = op.Attention(q, k, v, mask, past_k, past_v, scale=scale)
+    return out, present_k, present_v
+
+
+TRANSLATIONS = {
+    torch.ops.fxllm.attention.default: attention,
+    torch.ops.fxllm.causal_mask.default: causal_mask,
+    torch.ops.fxllm.attention_kv.default: attention_kv,
+}

@@ -1,0 +1,62 @@
+"""fxllm's own torch ops: what aten lacks for an inference graph, each with a reference and a fake implementation.
+
+The reference implementations make every rewritten graph runnable in plain torch (per-pass numerics, tests); the
+fake implementations keep shape propagation and torch.export working. ONNX translations live in onnx_translations.py.
+"""
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("fxllm::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal attention without a cache. q [B,Hq,T,D]; k, v [B,Hkv,T,D] (Hkv divides Hq, never repeated)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+@attention.register_fake
+def _attention_fake(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("fxllm::causal_mask", mutates_args=())
+def causal_mask(attention_mask: Tensor, input_ids: Tensor) -> Tensor:
+    """Bool mask [B,1,T,S] for T new tokens after S-T cached ones: key j is visible to query i when j <= S-T+i and
+    attention_mask[b, j] is set. Every query also sees itself, so padded rows stay finite (never all -inf)."""
+    total = attention_mask.shape[1]
+    new = input_ids.shape[1]
+    query_pos = torch.arange(new, device=attention_mask.device) + (total - new)
+    key_pos = torch.arange(total, device=attention_mask.device)
+    causal = key_pos[None, :] <= query_pos[:, None]
+    is_self = key_pos[None, :] == query_pos[:, None]
+    visible = causal[None] & attention_mask.bool()[:, None, :]
+    return (visible | is_self[None])[:, None]
+
+
+@causal_mask.register_fake
+def _causal_mask_fake(attention_mask: Tensor, input_ids: Tensor) -> Tensor:
+    batch, total = attention_mask.shape
+    return attention_mask.new_empty((batch, 1, input_ids.shape[1], total), dtype=torch.bool)
+
+
+@torch.library.custom_op("fxllm::attention_kv", mutates_args=())
+def attention_kv(
+    q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention over a contiguous KV cache: present = concat(past, new) along time; returns (out, present_k,
+    present_v). q [B,Hq,T,D]; k, v [B,Hkv,T,D]; past [B,Hkv,P,D]; mask bool [B,1,T,P+T]."""
+    present_k = torch.cat([past_k, k], dim=2)
+    present_v = torch.cat([past_v, v], dim=2)
+    out = F.scaled_dot_product_attention(q, present_k, present_v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out, present_k, present_v
+
+
+@attention_kv.register_fake
+def _attention_kv_fake(q, k, v, past_k, past_v, mask, scale):
+    present_shape = (k.shape[0], k.shape[1], past_k.shape[2] + k.shape[2], k.shape[3])
+    return torch.empty_like(q), k.new_empty(present_shape), v.new_empty(present_shape)
+
+
+ATTENTION_OPS = (torch.ops.fxllm.attention.default, torch.ops.fxllm.attention_kv.default)

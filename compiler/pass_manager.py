@@ -1,0 +1,67 @@
+"""Run a validated pipeline: each pass, then lint, drift against the captured model, and optional dumps."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fxllm.compiler.drift import Drift, drift_sample, measure_drift
+from fxllm.compiler.dump import DumpWriter, op_histogram
+from fxllm.compiler.interface import run_sequence
+from fxllm.compiler.lint import LintError, lint
+from fxllm.compiler.pipeline import PipelineStep
+from fxllm.compiler.program import AppliedPass, Program
+from fxllm.compiler.progress import progress
+from fxllm.errors import FxllmError
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    index: int
+    name: str
+    options: dict
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    drift: Drift
+
+
+class PassFailure(FxllmError):
+    """A pass raised or produced a graph that does not lint; names the pass."""
+
+
+def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | None = None) -> tuple[Program, list]:
+    sample = drift_sample(program.spec.vocab_size)
+    lint(program)
+    reference = run_sequence(program, sample)
+    dumps = DumpWriter(dump_dir) if dump_dir else None
+    if dumps:
+        dumps.write_captured(program)
+    records: list[PassRecord] = []
+    for index, step in enumerate(progress(steps, desc="passes", unit="pass"), start=1):
+        before_text = dumps.render(program) if dumps else None
+        before_ops = op_histogram(program) if dumps else None
+        nodes_before = len(program.graph.nodes)
+        start = time.perf_counter()
+        try:
+            program = step.info.run(program, step.options)
+            program.graph_module.recompile()
+            lint(program)
+        except FxllmError:
+            raise
+        except LintError as exc:
+            raise PassFailure(f"pass '{step.name}' produced an invalid graph: {exc}") from exc
+        seconds = time.perf_counter() - start
+        program.facts |= step.info.provides
+        program.applied.append(AppliedPass(step.name, step.options))
+        with torch.no_grad():
+            drift = measure_drift(reference, program, sample)
+        record = PassRecord(index, step.name, step.options, seconds, nodes_before, len(program.graph.nodes), drift)
+        records.append(record)
+        if dumps:
+            dumps.write_pass(record, before_text, before_ops, program)
+    if dumps:
+        dumps.write_summary(records)
+    return program, records

@@ -1,0 +1,75 @@
+"""The pass registry: every pass is a function Program → Program registered with what it requires and provides."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxllm.compiler.program import Program
+from fxllm.errors import PipelineError
+
+PassFunction = Callable[..., Program]
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    name: str
+    function: PassFunction
+    requires: frozenset[str]
+    provides: frozenset[str]
+    forbids: frozenset[str]
+    summary: str
+    option_types: dict[str, type] = field(default_factory=dict)
+    option_defaults: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, program: Program, options: dict[str, Any]) -> Program:
+        return self.function(program, **options)
+
+
+_REGISTRY: dict[str, PassInfo] = {}
+
+
+def register_pass(
+    name: str, requires: tuple[str, ...] = (), provides: tuple[str, ...] = (), forbids: tuple[str, ...] = ()
+) -> Callable[[PassFunction], PassFunction]:
+    """Register a pass. Its keyword-only parameters are its options; its docstring's first line is its summary.
+    `forbids` names facts that must not hold yet (e.g. a pass that has to run before the KV cache is inserted)."""
+
+    def decorate(function: PassFunction) -> PassFunction:
+        signature = inspect.signature(function)
+        options = {p.name: p for p in signature.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        _REGISTRY[name] = PassInfo(
+            name=name,
+            function=function,
+            requires=frozenset(requires),
+            provides=frozenset(provides),
+            forbids=frozenset(forbids),
+            summary=(inspect.getdoc(function) or "").splitlines()[0] if function.__doc__ else "",
+            option_types={k: _option_type(p) for k, p in options.items()},
+            option_defaults={k: p.default for k, p in options.items() if p.default is not inspect.Parameter.empty},
+        )
+        return function
+
+    return decorate
+
+
+def _option_type(parameter: inspect.Parameter) -> type:
+    if parameter.default is not inspect.Parameter.empty and parameter.default is not None:
+        return type(parameter.default)
+    annotation = str(parameter.annotation)
+    return int if "int" in annotation else float if "float" in annotation else str
+
+
+def available_passes() -> dict[str, PassInfo]:
+    import fxllm.passes  # noqa: F401 - importing the package registers every pass
+
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get_pass(name: str) -> PassInfo:
+    passes = available_passes()
+    if name not in passes:
+        raise PipelineError(f"unknown pass '{name}'; available passes: {', '.join(passes)}")
+    return passes[name]

@@ -1,0 +1,111 @@
+"""A pipeline: an ordered list of passes with options, validated before any work, run with lint and drift checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxllm.compiler.pass_registry import PassInfo, get_pass
+from fxllm.errors import PipelineError
+
+DEFAULT_PIPELINE = ("cleanup", "kv-cache")
+CAPTURE_FACTS = frozenset({"captured", "fxllm-attention"})
+
+
+@dataclass
+class PipelineStep:
+    info: PassInfo
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+
+def parse_pipeline(text: str | list[str] | tuple[str, ...] | None) -> list[tuple[str, dict[str, Any]]]:
+    """'cleanup,kv-cache,gqa:kv_heads=1' → [(name, {option: value-as-text}), ...]."""
+    if text is None:
+        return [(name, {}) for name in DEFAULT_PIPELINE]
+    items = text.split(",") if isinstance(text, str) else list(text)
+    steps = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        name, _, option_text = item.partition(":")
+        options = {}
+        for pair in filter(None, option_text.split(";")):
+            key, eq, value = pair.partition("=")
+            if not eq:
+                raise PipelineError(f"pass option '{pair}' of '{name}' is not of the form key=value")
+            options[key.strip().replace("-", "_")] = value.strip()
+        steps.append((name.strip(), options))
+    if not steps:
+        raise PipelineError("the pass list is empty")
+    return steps
+
+
+def build_pipeline(
+    requested: list[tuple[str, dict[str, Any]]], extra_options: dict[str, dict[str, Any]] | None = None
+) -> list[PipelineStep]:
+    """Resolve names and options and check the order against requires/provides/forbids — before any work."""
+    extra_options = extra_options or {}
+    steps = [PipelineStep(get_pass(name), _typed_options(get_pass(name), {**options, **extra_options.get(name, {})}))
+             for name, options in requested]
+    for name in extra_options:
+        if name not in {s.name for s in steps}:
+            raise PipelineError(f"options were given for pass '{name}', which is not in the pipeline")
+    facts = set(CAPTURE_FACTS)
+    seen: list[str] = []
+    for step in steps:
+        missing = step.info.requires - facts
+        if missing:
+            providers = _providers(missing)
+            hint = f"; put {' / '.join(providers)} before it" if providers else ""
+            raise PipelineError(
+                f"pass '{step.name}' requires {', '.join(sorted(missing))}, which no earlier pass provides "
+                f"(order: {' → '.join(seen + [step.name])}){hint}"
+            )
+        clashing = step.info.forbids & facts
+        if clashing:
+            raise PipelineError(
+                f"pass '{step.name}' must run before anything that provides {', '.join(sorted(clashing))} "
+                f"(order: {' → '.join(seen + [step.name])})"
+            )
+        facts |= step.info.provides
+        seen.append(step.name)
+    return steps
+
+
+def _providers(facts: set[str]) -> list[str]:
+    from fxllm.compiler.pass_registry import available_passes
+
+    return [name for name, info in available_passes().items() if info.provides & facts]
+
+
+def _typed_options(info: PassInfo, options: dict[str, Any]) -> dict[str, Any]:
+    typed = {}
+    for key, value in options.items():
+        if key not in info.option_types:
+            known = ", ".join(info.option_types) or "none"
+            raise PipelineError(f"pass '{info.name}' has no option '{key}' (its options: {known})")
+        kind = info.option_types[key]
+        try:
+            typed[key] = _convert(value, kind)
+        except ValueError as exc:
+            raise PipelineError(f"pass '{info.name}' option '{key}': {exc}") from exc
+    return typed
+
+
+def _convert(value: Any, kind: type) -> Any:
+    if not isinstance(value, str):
+        return value
+    if kind is bool:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true/false, got '{value}'")
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"expected {kind.__name__}, got '{value}'") from None

@@ -1,0 +1,58 @@
+"""Program: the unit passes transform — a GraphModule, its model spec, its I/O signature and what it provides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxllm.compiler.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    """One graph input or output: dims are ints or symbolic names shared across tensors (batch, tokens, past...)."""
+
+    name: str
+    dims: tuple[int | str, ...]
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dims": list(self.dims), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorSig:
+        return cls(data["name"], tuple(data["dims"]), data["dtype"])
+
+
+@dataclass(frozen=True)
+class AppliedPass:
+    name: str
+    options: dict[str, Any]
+
+
+@dataclass
+class Program:
+    """A graph in a known calling convention. Placeholders appear in `inputs` order; the output is a flat tuple in
+    `outputs` order. `facts` are what passes provided so far (e.g. 'kv-cache'), checked against pass requirements."""
+
+    graph_module: torch.fx.GraphModule
+    spec: ModelSpec
+    inputs: list[TensorSig]
+    outputs: list[TensorSig]
+    facts: set[str] = field(default_factory=set)
+    applied: list[AppliedPass] = field(default_factory=list)
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+    def placeholder(self, name: str) -> torch.fx.Node:
+        for node in self.graph.nodes:
+            if node.op == "placeholder" and node.name == name:
+                return node
+        raise KeyError(f"graph has no input '{name}'")
+
+    def output_node(self) -> torch.fx.Node:
+        return next(n for n in reversed(self.graph.nodes) if n.op == "output")

@@ -1,0 +1,28 @@
+"""Progress bars for long steps: on for terminals, quiet in CI and when FXLLM_QUIET is set."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def enabled() -> bool:
+    return sys.stderr.isatty() and not os.environ.get("FXLLM_QUIET")
+
+
+def progress(items: Iterable[T], **kwargs) -> Iterable[T]:
+    if not enabled():
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, leave=False, **kwargs)
+
+
+def status(message: str) -> None:
+    """One line on stderr for a phase that has no natural unit of progress (export, lowering)."""
+    if not os.environ.get("FXLLM_QUIET"):
+        print(message, file=sys.stderr, flush=True)

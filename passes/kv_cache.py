@@ -1,0 +1,64 @@
+"""Pass `kv-cache`: give every attention layer a contiguous KV cache, so a step computes only its new tokens.
+
+before: attention(q, k, v) over the whole sequence → after: attention_kv(q, k, v, past_k, past_v, mask) returning
+present K/V (model's KV heads only); new inputs attention_mask + past_key_i/past_value_i, new outputs present_*.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from fxllm.compiler.pass_registry import register_pass
+from fxllm.compiler.program import Program, TensorSig
+
+fxllm_ops = torch.ops.fxllm
+
+
+@register_pass("kv-cache", requires=("fxllm-attention",), provides=("kv-cache",), forbids=("kv-cache",))
+def kv_cache(program: Program) -> Program:
+    """Insert past/present K/V per layer, an attention mask input and one shared causal+padding mask."""
+    graph = program.graph
+    spec = program.spec
+    attention_nodes = [n for n in graph.nodes if n.target is fxllm_ops.attention.default]
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    cache_dims = ("batch", spec.num_kv_heads, "past", spec.head_dim)
+    present_dims = ("batch", spec.num_kv_heads, "total", spec.head_dim)
+
+    with graph.inserting_after(last_input):
+        attention_mask = graph.placeholder("attention_mask")
+    new_inputs = [TensorSig("attention_mask", ("batch", "total"), "int64")]
+    past_nodes = []
+    anchor = attention_mask
+    for layer in range(len(attention_nodes)):
+        with graph.inserting_after(anchor):
+            past_key = graph.placeholder(f"past_key_{layer}")
+        with graph.inserting_after(past_key):
+            past_value = graph.placeholder(f"past_value_{layer}")
+        anchor = past_value
+        past_nodes.append((past_key, past_value))
+        new_inputs += [TensorSig(past_key.name, cache_dims, "float32"), TensorSig(past_value.name, cache_dims, "float32")]
+    with graph.inserting_after(anchor):
+        mask = graph.call_function(fxllm_ops.causal_mask.default, (attention_mask, program.placeholder("input_ids")))
+
+    presents = []
+    for layer, node in enumerate(attention_nodes):
+        q, k, v, scale = node.args
+        past_key, past_value = past_nodes[layer]
+        with graph.inserting_before(node):
+            fused = graph.call_function(fxllm_ops.attention_kv.default, (q, k, v, past_key, past_value, mask, scale))
+            out, present_key, present_value = (graph.call_function(operator.getitem, (fused, i)) for i in range(3))
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        presents += [present_key, present_value]
+
+    output = program.output_node()
+    output.args = (tuple(output.args[0]) + tuple(presents),)
+    program.inputs += new_inputs
+    for layer in range(len(attention_nodes)):
+        program.outputs += [
+            TensorSig(f"present_key_{layer}", present_dims, "float32"),
+            TensorSig(f"present_value_{layer}", present_dims, "float32"),
+        ]
+    return program
