@@ -1,0 +1,90 @@
+"""compile_model: source → capture → passes → ONNX → artifact directory. The one place the phases are wired."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fxllm.runtime.artifact import staging_directory, write_manifest
+from fxllm.compiler.pass_manager import PassRecord, run_pipeline
+from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
+from fxllm.compiler.progress import status
+from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source, source_architecture
+from fxllm.errors import PipelineError
+
+MODEL_FILE = "model.onnx"
+TOKENIZER_DIR = "tokenizer"
+
+
+@dataclass
+class CompileReport:
+    output: Path
+    seconds: dict[str, float] = field(default_factory=dict)
+    records: list[PassRecord] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+def compile_model(
+    model: str | os.PathLike,
+    output: str | os.PathLike,
+    passes: str | list[str] | None = None,
+    pass_options: dict[str, dict[str, Any]] | None = None,
+    dump_dir: str | os.PathLike | None = None,
+    target: str = "ort",
+) -> CompileReport:
+    """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work."""
+    from fxllm import __version__
+    from fxllm.compiler.capture import capture
+    from fxllm.compiler.lower_onnx import TARGETS, lower_to_onnx
+
+    steps = build_pipeline(parse_pipeline(passes), pass_options)
+    if "kv-cache" not in {fact for step in steps for fact in step.info.provides}:
+        raise PipelineError("the pipeline must include 'kv-cache': the runtime decodes through a KV cache")
+    if target not in TARGETS:
+        raise PipelineError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
+    source = resolve_source(model)
+    check_supported(source_architecture(source))
+    report = CompileReport(Path(output))
+
+    def timed(phase: str, message: str, function, *args, **kwargs):
+        status(message)
+        start = time.perf_counter()
+        result = function(*args, **kwargs)
+        report.seconds[phase] = time.perf_counter() - start
+        return result
+
+    torch_model = timed("load", f"loading {source.name}", load_model, source)
+    tokenizer = load_tokenizer(source)
+    captured = timed("capture", "capturing with torch.export", capture, torch_model)
+    program, report.records = timed(
+        "passes", f"running passes: {', '.join(s.name for s in steps)}", run_pipeline, captured.program, steps,
+        str(dump_dir) if dump_dir else None,
+    )
+    with staging_directory(output) as stage:
+        timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program, stage / MODEL_FILE, target)
+        tokenizer.save_pretrained(stage / TOKENIZER_DIR)
+        write_manifest(stage, {
+            "fxllm_version": __version__,
+            "source": {"name": source.name, "gguf": bool(source.gguf_file)},
+            "target": target,
+            "model_file": MODEL_FILE,
+            "tokenizer_dir": TOKENIZER_DIR,
+            "spec": program.spec.to_dict(),
+            "facts": sorted(program.facts),
+            "passes": [
+                {"name": r.name, "options": r.options, "seconds": round(r.seconds, 4), "drift": r.drift.to_dict()}
+                for r in report.records
+            ],
+            "io": {
+                "inputs": [sig.to_dict() for sig in program.inputs],
+                "outputs": [sig.to_dict() for sig in program.outputs],
+            },
+            "compile_seconds": {k: round(v, 2) for k, v in report.seconds.items()},
+        })
+    return report

@@ -1,0 +1,94 @@
+"""The compiled artifact: a directory with manifest.json, the ONNX model (+ external weights) and the tokenizer.
+
+Written into a temporary sibling directory and renamed into place at the end, so a failed compile never leaves a
+directory that looks valid. Loading checks the format version and the sha256 of every file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fxllm.errors import ArtifactError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextmanager
+def staging_directory(output: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
+    """Yield a temporary directory next to `output`; on success it replaces `output`, on failure it vanishes."""
+    output = Path(output).resolve()
+    if output.exists() and not overwrite:
+        raise ArtifactError(f"'{output}' exists; pass --overwrite to replace it")
+    if output.exists() and not (output / MANIFEST).exists() and any(output.iterdir()):
+        raise ArtifactError(f"'{output}' exists and is not an fxllm artifact; refusing to replace it")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        yield staging
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        **manifest,
+        "files": {str(p.relative_to(directory)): {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(directory: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
+    """Read and validate an artifact's manifest; with `verify`, checksum every file it lists."""
+    directory = Path(directory)
+    if not directory.exists():
+        raise ArtifactError(f"artifact '{directory}' does not exist")
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"'{directory}' is not an fxllm artifact (no {MANIFEST}); compile one with `fxllm compile`")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{path} is corrupt: {exc}") from exc
+    version = manifest.get("format_version")
+    if not isinstance(version, int):
+        raise ArtifactError(f"{path} has no format_version; it was not written by fxllm")
+    if version > FORMAT_VERSION:
+        raise ArtifactError(
+            f"artifact format version {version} is newer than this fxllm supports ({FORMAT_VERSION}); "
+            f"upgrade fxllm (it was written by fxllm {manifest.get('fxllm_version', '?')})"
+        )
+    if verify:
+        verify_files(directory, manifest)
+    return manifest
+
+
+def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
+    for name, entry in manifest.get("files", {}).items():
+        file = directory / name
+        if not file.is_file():
+            raise ArtifactError(f"artifact file '{name}' is missing from '{directory}'")
+        if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
+            raise ArtifactError(f"artifact file '{name}' is corrupt (checksum mismatch); recompile the artifact")

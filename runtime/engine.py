@@ -1,0 +1,226 @@
+"""Engine: a loaded artifact that generates. Batches of prompts are left-padded and decoded through the KV cache."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fxllm.errors import ArtifactError, GenerationError
+from fxllm.runtime.artifact import read_manifest
+from fxllm.runtime.backend_ort import OrtBackend
+from fxllm.runtime.detokenizer import IncrementalDetokenizer
+from fxllm.runtime.kv_cache import ContiguousKVCache
+from fxllm.runtime.sampler import Sampler, SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"  # "eos" | "stop" | "length" | "context"
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "timings": self.timings,
+        }
+
+
+@dataclass
+class _Sequence:
+    result: GenerationResult
+    detokenizer: IncrementalDetokenizer
+    done: bool = False
+
+
+class Engine:
+    def __init__(self, directory: Path, manifest: dict[str, Any], backend, tokenizer):
+        self.directory = directory
+        self.manifest = manifest
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.spec = manifest["spec"]
+        self.inputs = manifest["io"]["inputs"]
+        self.num_layers = sum(1 for sig in self.inputs if sig["name"].startswith("past_key_"))
+        self.eos_token_ids = set(self.spec["eos_token_ids"])
+        if tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, threads: int | None = None, providers: list[str] | None = None,
+             verify: bool = True) -> Engine:
+        directory = Path(path)
+        manifest = read_manifest(directory, verify=verify)
+        if "kv-cache" not in manifest.get("facts", []):
+            raise ArtifactError(f"artifact '{directory}' was compiled without the kv-cache pass; recompile it")
+        backend = OrtBackend(directory / manifest["model_file"], threads=threads, providers=providers)
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory / manifest["tokenizer_dir"])
+        except Exception as exc:
+            raise ArtifactError(f"cannot load the artifact's tokenizer: {exc}") from exc
+        return cls(directory, manifest, backend, tokenizer)
+
+    @property
+    def max_context(self) -> int:
+        return int(self.spec["max_positions"])
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if chat:
+            if not self.tokenizer.chat_template:
+                raise GenerationError("this model's tokenizer has no chat template; generate without chat=True")
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        return list(ids)
+
+    # -- public API ---------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
+                 chat: bool = False) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (returns one result) or a list of prompts of any lengths (returns a list)."""
+        single = isinstance(prompts, str)
+        texts = [prompts] if single else list(prompts)
+        results = self.generate_ids([self.encode(t, chat) for t in texts], max_new_tokens, temperature, top_k,
+                                    top_p, seed, stop, prompts=texts)
+        return results[0] if single else results
+
+    def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                     stop: str | list[str] | None = None, prompts: list[str] | None = None) -> list[GenerationResult]:
+        """Like generate, from token ids."""
+        sequences = self._new_sequences(prompt_ids, stop, prompts)
+        for _ in self._decode(sequences, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed)):
+            pass
+        return [seq.result for seq in sequences]
+
+    def stream(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
+               chat: bool = False) -> Iterator[str]:
+        """Yield the generated text piece by piece as tokens are decoded."""
+        sequences = self._new_sequences([self.encode(prompt, chat)], stop, [prompt])
+        for _, delta in self._decode(sequences, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed)):
+            if delta:
+                yield delta
+
+    def score(self, token_ids: list[int]) -> np.ndarray:
+        """Logits [T,V] of every position of one sequence, in a single prefill (used by `fxllm eval`)."""
+        self._check_prompt(token_ids)
+        cache = ContiguousKVCache.empty(self.num_layers, 1, self.spec["num_kv_heads"], self.spec["head_dim"])
+        ids = np.asarray([token_ids], dtype=np.int64)
+        mask = np.ones_like(ids)
+        return self._step(ids, np.arange(len(token_ids), dtype=np.int64)[None], mask, cache)[0]
+
+    # -- decoding -----------------------------------------------------------------------------------------------
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise GenerationError("the prompt is empty after tokenization")
+        if len(ids) >= self.max_context:
+            raise GenerationError(
+                f"the prompt is {len(ids)} tokens; the model's context is {self.max_context} tokens, which leaves "
+                "no room to generate"
+            )
+
+    def _step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+              cache: ContiguousKVCache) -> np.ndarray:
+        feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        feeds.update(cache.feeds())
+        outputs = self.backend.run(feeds)
+        cache.update(outputs)
+        return outputs["logits"]
+
+    def _new_sequences(self, prompt_ids: list[list[int]], stop: str | list[str] | None,
+                       prompts: list[str] | None) -> list[_Sequence]:
+        if not prompt_ids:
+            raise GenerationError("no prompts given")
+        for ids in prompt_ids:
+            self._check_prompt(ids)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return [
+            _Sequence(GenerationResult(prompts[i] if prompts else None, list(ids)),
+                      IncrementalDetokenizer(self.tokenizer, stops))
+            for i, ids in enumerate(prompt_ids)
+        ]
+
+    def _decode(self, sequences: list[_Sequence], max_new_tokens: int,
+                params: SamplingParams) -> Iterator[tuple[int, str]]:
+        """Run the batch to completion, yielding (sequence index, text delta) per generated token."""
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_ids = [seq.result.prompt_token_ids for seq in sequences]
+        sampler = Sampler(params)
+        batch = len(prompt_ids)
+        width = max(len(ids) for ids in prompt_ids)
+        input_ids = np.full((batch, width), self.pad_token_id, dtype=np.int64)
+        mask = np.zeros((batch, width), dtype=np.int64)
+        for row, ids in enumerate(prompt_ids):  # left padding: every row's last prompt token sits in the last column
+            input_ids[row, width - len(ids):] = ids
+            mask[row, width - len(ids):] = 1
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        cache = ContiguousKVCache.empty(self.num_layers, batch, self.spec["num_kv_heads"], self.spec["head_dim"])
+
+        start = time.perf_counter()
+        logits = self._step(input_ids, positions, mask, cache)[:, -1]
+        prefill_ms = (time.perf_counter() - start) * 1e3
+        rows = list(range(batch))  # rows[i] = sequence index of batch row i
+        next_position = positions[:, -1] + 1
+        decode_seconds, decode_steps = 0.0, 0
+        for step in range(max_new_tokens):
+            tokens = sampler(logits)
+            for row, index in enumerate(rows):
+                yield index, self._append(sequences[index], int(tokens[row]), step + 1 == max_new_tokens)
+            keep = [row for row, index in enumerate(rows) if not sequences[index].done]
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                cache.select_rows(keep)
+                rows, tokens, next_position, mask = ([rows[r] for r in keep], tokens[keep], next_position[keep],
+                                                     mask[keep])
+            mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=np.int64)], axis=1)
+            start = time.perf_counter()
+            logits = self._step(tokens[:, None].astype(np.int64), next_position[:, None], mask, cache)[:, -1]
+            decode_seconds += time.perf_counter() - start
+            decode_steps += 1
+            next_position = next_position + 1
+        for seq in sequences:
+            seq.result.text = seq.detokenizer.text
+            seq.result.timings = {
+                "prefill_ms": round(prefill_ms, 3),
+                "decode_ms_per_token": round(decode_seconds * 1e3 / decode_steps, 3) if decode_steps else 0.0,
+                "decode_steps": decode_steps,
+                "batch": batch,
+            }
+
+    def _append(self, seq: _Sequence, token: int, last_step: bool) -> str:
+        result = seq.result
+        result.token_ids.append(token)
+        if token in self.eos_token_ids:
+            seq.done, result.finish_reason = True, "eos"
+            return ""
+        delta = seq.detokenizer.add(token)
+        if seq.detokenizer.stopped:
+            seq.done, result.finish_reason = True, "stop"
+        elif len(result.prompt_token_ids) + len(result.token_ids) >= self.max_context:
+            seq.done, result.finish_reason = True, "context"
+        elif last_step:
+            seq.done, result.finish_reason = True, "length"
+        return delta

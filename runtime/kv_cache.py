@@ -1,0 +1,40 @@
+"""Contiguous KV cache: per layer one [B, kv_heads, past, head_dim] array, replaced by each step's present output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class ContiguousKVCache:
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+
+    @classmethod
+    def empty(cls, layers: int, batch: int, kv_heads: int, head_dim: int) -> ContiguousKVCache:
+        shape = (batch, kv_heads, 0, head_dim)
+        return cls([np.zeros(shape, np.float32) for _ in range(layers)],
+                   [np.zeros(shape, np.float32) for _ in range(layers)])
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        feeds = {f"past_key_{i}": k for i, k in enumerate(self.keys)}
+        feeds.update({f"past_value_{i}": v for i, v in enumerate(self.values)})
+        return feeds
+
+    def update(self, outputs: dict[str, np.ndarray]) -> None:
+        self.keys = [outputs[f"present_key_{i}"] for i in range(len(self.keys))]
+        self.values = [outputs[f"present_value_{i}"] for i in range(len(self.values))]
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only these batch rows (finished sequences leave the batch)."""
+        self.keys = [np.ascontiguousarray(k[rows]) for k in self.keys]
+        self.values = [np.ascontiguousarray(v[rows]) for v in self.values]
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
