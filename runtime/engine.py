@@ -58,6 +58,7 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.last_timings: dict[str, float] = {}
 
     @classmethod
     def load(cls, path: str | os.PathLike, threads: int | None = None, providers: list[str] | None = None,
@@ -201,14 +202,15 @@ class Engine:
             decode_seconds += time.perf_counter() - start
             decode_steps += 1
             next_position = next_position + 1
+        self.last_timings = {
+            "prefill_ms": round(prefill_ms, 3),
+            "decode_ms_per_token": round(decode_seconds * 1e3 / decode_steps, 3) if decode_steps else 0.0,
+            "decode_steps": decode_steps,
+            "batch": batch,
+        }
         for seq in sequences:
             seq.result.text = seq.detokenizer.text
-            seq.result.timings = {
-                "prefill_ms": round(prefill_ms, 3),
-                "decode_ms_per_token": round(decode_seconds * 1e3 / decode_steps, 3) if decode_steps else 0.0,
-                "decode_steps": decode_steps,
-                "batch": batch,
-            }
+            seq.result.timings = dict(self.last_timings)
 
     def _append(self, seq: _Sequence, token: int, last_step: bool) -> str:
         result = seq.result

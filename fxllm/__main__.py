@@ -1,0 +1,5 @@
+import sys
+
+from fxllm.cli import main
+
+sys.exit(main())

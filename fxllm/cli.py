@@ -1,0 +1,179 @@
+"""The `fxllm` command: compile, generate, inspect, eval, passes. Errors are one line; -v adds the traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+from fxllm.errors import FxllmError
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+    text = text.strip().upper()
+    number = text.rstrip("KMGB")
+    return int(float(number) * units[text[len(number):]])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxllm", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and library warnings")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("compile", help="compile a model into an artifact directory")
+    p.add_argument("model", help="Hugging Face model directory, .gguf file, or 'smollm2-135m'")
+    p.add_argument("-o", "--output", required=True, help="artifact directory to write")
+    p.add_argument("--passes", help="comma-separated pass list (default: cleanup,kv-cache); see `fxllm passes`")
+    p.add_argument("--pass-option", action="append", default=[], metavar="PASS.KEY=VALUE",
+                   help="set a pass option, e.g. gqa.kv_heads=1 (repeatable)")
+    p.add_argument("--dump-dir", help="write per-pass graphs, op histograms, timings and drift here")
+    p.add_argument("--target", default="ort", help="lowering target (default: ort)")
+
+    p = commands.add_parser("generate", help="generate text with a compiled artifact")
+    p.add_argument("artifact")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+
+    p = commands.add_parser("inspect", help="show an artifact's passes, I/O, sizes and KV-cache cost")
+    p.add_argument("artifact")
+    p.add_argument("--json", action="store_true")
+
+    p = commands.add_parser("eval", help="perplexity of a model or artifact on a text file")
+    p.add_argument("model", help="artifact directory, Hugging Face directory, .gguf file, or 'smollm2-135m'")
+    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--max-tokens", type=int, help="score at most this many tokens of the text")
+    p.add_argument("--reference", help="second model or artifact: also report mean KL and top-1 agreement")
+    p.add_argument("--json", action="store_true")
+
+    commands.add_parser("passes", help="list the available passes")
+    return parser
+
+
+def cmd_compile(args) -> None:
+    from fxllm.compiler.compile import compile_model
+    from fxllm.errors import PipelineError
+
+    options: dict[str, dict[str, str]] = {}
+    for item in args.pass_option:
+        key, eq, value = item.partition("=")
+        name, dot, option = key.partition(".")
+        if not (eq and dot and name and option):
+            raise PipelineError(f"--pass-option '{item}' is not of the form PASS.KEY=VALUE")
+        options.setdefault(name, {})[option.replace("-", "_")] = value
+    start = time.perf_counter()
+    report = compile_model(args.model, args.output, passes=args.passes, pass_options=options,
+                           dump_dir=args.dump_dir, target=args.target)
+    wall = time.perf_counter() - start
+    print(f"compiled {args.model} → {report.output}")
+    print(f"  {'pass':<14} {'time s':>7} {'max|Δlogit|':>12} {'mean KL':>9} {'greedy':>7}")
+    for r in report.records:
+        d = r.drift
+        print(f"  {r.name:<14} {r.seconds:>7.2f} {d.max_abs_logit:>12.2e} {d.mean_kl:>9.1e} {d.greedy_agreement:>7.1%}")
+    phases = "  ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())
+    print(f"  phases: {phases}")
+    print(f"compile time: {wall:.1f} s")
+    if args.dump_dir:
+        print(f"dumps: {args.dump_dir}/summary.txt")
+
+
+def cmd_generate(args) -> None:
+    import fxllm
+
+    engine = fxllm.load(args.artifact, threads=args.threads)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
+    if args.json or len(args.prompt) > 1:
+        results = engine.generate(args.prompt, **options)
+        for result in results:
+            if args.json:
+                print(json.dumps(result.to_dict(), ensure_ascii=False))
+            else:
+                print(f"--- {result.prompt!r}\n{result.text}")
+        return
+    for piece in engine.stream(args.prompt[0], **options):
+        print(piece, end="", flush=True)
+    print()
+    timings = engine.last_timings
+    print(f"[prefill {timings['prefill_ms']:.1f} ms, {timings['decode_ms_per_token']:.1f} ms/token]", file=sys.stderr)
+
+
+def cmd_inspect(args) -> None:
+    from fxllm.runtime.inspect import describe_artifact
+
+    info = describe_artifact(args.artifact)
+    print(json.dumps(info, indent=2) if args.json else info["text"])
+
+
+def cmd_eval(args) -> None:
+    from fxllm.evaluation import evaluate
+
+    report = evaluate(args.model, args.text, ctx=args.ctx, max_tokens=args.max_tokens, reference=args.reference)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
+
+
+def cmd_passes(args) -> None:
+    from fxllm.compiler.pass_registry import available_passes
+    from fxllm.compiler.pipeline import DEFAULT_PIPELINE
+
+    for name, info in available_passes().items():
+        default = " (default)" if name in DEFAULT_PIPELINE else ""
+        print(f"{name}{default}: {info.summary}")
+        if info.requires:
+            print(f"    requires: {', '.join(sorted(info.requires))}")
+        if info.provides:
+            print(f"    provides: {', '.join(sorted(info.provides))}")
+        for option, kind in info.option_types.items():
+            print(f"    option {option} ({kind.__name__}, default {info.option_defaults.get(option)!r})")
+
+
+COMMANDS = {"compile": cmd_compile, "generate": cmd_generate, "inspect": cmd_inspect, "eval": cmd_eval,
+            "passes": cmd_passes}
+
+
+def _quiet_libraries() -> None:
+    import logging
+    import os
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.verbose:
+        _quiet_libraries()
+    try:
+        COMMANDS[args.command](args)
+    except FxllmError as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"fxllm: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fxllm: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug, not bad input: still one line unless -v
+        if args.verbose:
+            traceback.print_exc()
+        print(f"fxllm: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""`fxllm eval`: perplexity over non-overlapping windows of a text, and agreement with a reference model.
+
+Method: tokenize the whole text (no special tokens added beyond what the tokenizer adds by default), keep the first
+`max_tokens`, cut into windows of `ctx` tokens; each window is scored independently, every token but the first of a
+window is predicted from its window prefix. Perplexity = exp(total NLL / predicted tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fxllm.compiler.progress import progress
+from fxllm.errors import FxllmError, ModelSourceError
+from fxllm.runtime.artifact import MANIFEST
+
+
+class Scorer:
+    """Full-window logits from either a compiled artifact (ONNX Runtime) or a source model (transformers, fp32)."""
+
+    def __init__(self, model: str | os.PathLike):
+        self.name = str(model)
+        if (Path(model) / MANIFEST).is_file():
+            from fxllm.runtime.engine import Engine
+
+            self.engine = Engine.load(model)
+            self.tokenizer = self.engine.tokenizer
+            self.max_context = self.engine.max_context
+            self.kind = "artifact"
+        else:
+            from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source
+
+            source = resolve_source(model)
+            self.model = load_model(source)
+            self.tokenizer = load_tokenizer(source)
+            self.max_context = self.model.config.max_position_embeddings
+            self.kind = "transformers"
+
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        if self.kind == "artifact":
+            return self.engine.score(token_ids)
+        import torch
+
+        with torch.no_grad():
+            return self.model(torch.tensor([token_ids])).logits[0].numpy()
+
+
+@dataclass
+class EvalReport:
+    model: str
+    tokens: int
+    windows: int
+    ctx: int
+    perplexity: float
+    reference: str | None = None
+    reference_perplexity: float | None = None
+    mean_kl: float | None = None
+    top1_agreement: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def text(self) -> str:
+        lines = [f"model        {self.model}",
+                 f"scored       {self.tokens} tokens in {self.windows} windows of {self.ctx}",
+                 f"perplexity   {self.perplexity:.4f}"]
+        if self.reference:
+            lines += [f"reference    {self.reference}: perplexity {self.reference_perplexity:.4f}",
+                      f"mean KL      {self.mean_kl:.6f} (reference ‖ model, per token)",
+                      f"top-1 agree  {self.top1_agreement:.2%}"]
+        return "\n".join(lines)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def evaluate(model: str, text_path: str | os.PathLike, ctx: int = 512, max_tokens: int | None = None,
+             reference: str | None = None) -> EvalReport:
+    path = Path(text_path)
+    if not path.is_file():
+        raise ModelSourceError(f"text file '{text_path}' does not exist")
+    if ctx < 2:
+        raise FxllmError(f"--ctx must be at least 2, got {ctx}")
+    scorer = Scorer(model)
+    if ctx > scorer.max_context:
+        raise FxllmError(f"--ctx {ctx} exceeds the model's context of {scorer.max_context} tokens")
+    ids = scorer.tokenizer(path.read_text(encoding="utf-8"))["input_ids"]
+    if max_tokens:
+        ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise FxllmError(f"'{text_path}' has fewer than 2 tokens; nothing to score")
+    ref = Scorer(reference) if reference else None
+    if ref is not None and ref.tokenizer(path.read_text(encoding="utf-8"))["input_ids"][: len(ids)] != ids:
+        raise FxllmError("the reference tokenizes the text differently; KL and agreement need identical tokens")
+
+    nll = ref_nll = kl = 0.0
+    agree = predicted = 0
+    windows = [ids[start:start + ctx] for start in range(0, len(ids), ctx) if len(ids[start:start + ctx]) >= 2]
+    for window in progress(windows, desc="eval", unit="window"):
+        targets = np.asarray(window[1:])
+        logp = _log_softmax(scorer.logits(window)[:-1])
+        nll -= logp[np.arange(len(targets)), targets].sum()
+        predicted += len(targets)
+        if ref is not None:
+            ref_logp = _log_softmax(ref.logits(window)[:-1])
+            ref_nll -= ref_logp[np.arange(len(targets)), targets].sum()
+            kl += (np.exp(ref_logp) * (ref_logp - logp)).sum()
+            agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+    report = EvalReport(str(model), predicted, len(windows), ctx, math.exp(nll / predicted))
+    if ref is not None:
+        report.reference = str(reference)
+        report.reference_perplexity = math.exp(ref_nll / predicted)
+        report.mean_kl = kl / predicted
+        report.top1_agreement = agree / predicted
+    return report

