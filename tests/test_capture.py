@@ -1,0 +1,47 @@
+"""Capture: one fxllm.attention node per layer with K/V at the KV heads, logits equal to eager transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fxllm.compiler.capture import capture, sample_inputs
+from fxllm.compiler.interface import run_sequence
+from fxllm.compiler.sources import load_model, resolve_source
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_capture_has_one_attention_per_layer_at_kv_heads(arch, make_tiny_model):
+    model = load_model(resolve_source(make_tiny_model(arch)))
+    program = capture(model).program
+    attention = [n for n in program.graph.nodes if n.target is torch.ops.fxllm.attention.default]
+    assert len(attention) == program.spec.num_layers == 2
+    from fxllm.compiler.lint import refresh_meta
+
+    refresh_meta(program)
+    for node in attention:
+        q, k, v = (arg.meta["val"] for arg in node.args[:3])
+        assert q.shape[1] == program.spec.num_heads and k.shape[1] == v.shape[1] == program.spec.num_kv_heads
+    # No repeat_kv and no mask construction reach the graph.
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "aten.expand.default" not in {str(a.target) for n in attention for a in n.args[1:3]}
+    assert not any("scaled_dot_product" in t or "tril" in t for t in targets)
+
+
+def test_captured_logits_match_eager(make_tiny_model):
+    directory = make_tiny_model("llama")
+    program = capture(load_model(resolve_source(directory))).program
+    eager = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    ids, _ = sample_inputs(batch=2, tokens=12, vocab=program.spec.vocab_size)
+    with torch.no_grad():
+        expected = eager(ids).logits
+    torch.testing.assert_close(run_sequence(program, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_spec_records_model_facts(make_tiny_model):
+    spec = capture(load_model(resolve_source(make_tiny_model("llama")))).program.spec
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (2, 4, 2, 16)
+    assert spec.vocab_size == 49152 and spec.max_positions == 256
+    assert spec.rope["rope_theta"] > 0
+    assert spec.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4

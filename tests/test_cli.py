@@ -1,0 +1,116 @@
+"""The CLI: every bad input is one clear line on stderr and a non-zero exit; good input produces useful output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from fxllm.cli import main
+from fxllm.runtime.artifact import FORMAT_VERSION
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop whatever fixtures printed
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code: int, err: str, pattern: str) -> None:
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fxllm: error: "), err
+    assert pattern in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_unsupported(tmp_path_factory):
+    from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
+
+    directories = {}
+    for name, model in {
+        "bert": BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, intermediate_size=64)),
+        "t5": T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=32, d_ff=64, num_layers=1, num_heads=2,
+                                                  d_kv=16)),
+    }.items():
+        directories[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(directories[name])
+    return directories
+
+
+def test_missing_path(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "compile", str(tmp_path / "missing"), "-o", str(tmp_path / "out"))
+    assert_one_line_error(code, err, "does not exist")
+
+
+def test_directory_without_a_model(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    code, _, err = run_cli(capsys, "compile", str(tmp_path), "-o", str(tmp_path / "out"))
+    assert_one_line_error(code, err, "holds no model: expected config.json")
+
+
+@pytest.mark.parametrize("name,architecture", [("bert", "BertForMaskedLM"), ("t5", "T5ForConditionalGeneration")])
+def test_unsupported_architecture(capsys, tmp_path, tiny_unsupported, name, architecture):
+    code, _, err = run_cli(capsys, "compile", str(tiny_unsupported[name]), "-o", str(tmp_path / "out"))
+    assert_one_line_error(code, err, f"unsupported architecture '{architecture}'")
+
+
+def test_unknown_pass_and_impossible_order(capsys, tmp_path, make_tiny_model):
+    model = str(make_tiny_model("llama"))
+    code, _, err = run_cli(capsys, "compile", model, "-o", str(tmp_path / "o"), "--passes", "cleanup,nonsense")
+    assert_one_line_error(code, err, "unknown pass 'nonsense'")
+    code, _, err = run_cli(capsys, "compile", model, "-o", str(tmp_path / "o"), "--passes", "kv-cache,kv-cache")
+    assert_one_line_error(code, err, "pass 'kv-cache' must run before anything that provides kv-cache")
+    code, _, err = run_cli(capsys, "compile", model, "-o", str(tmp_path / "o"), "--passes", "cleanup")
+    assert_one_line_error(code, err, "must include 'kv-cache'")
+    assert not (tmp_path / "o").exists()
+
+
+def test_corrupt_and_too_new_artifacts(capsys, tmp_path, make_tiny_artifact):
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(make_tiny_artifact("llama"), corrupt)
+    weights = corrupt / "model.onnx.data"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0x01
+    weights.write_bytes(bytes(data))
+    code, _, err = run_cli(capsys, "generate", str(corrupt), "--prompt", "hi")
+    assert_one_line_error(code, err, "'model.onnx.data' is corrupt")
+
+    newer = tmp_path / "newer"
+    shutil.copytree(make_tiny_artifact("llama"), newer)
+    manifest = json.loads((newer / "manifest.json").read_text())
+    manifest["format_version"] = FORMAT_VERSION + 1
+    (newer / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli(capsys, "inspect", str(newer))
+    assert_one_line_error(code, err, "is newer than this fxllm supports")
+
+
+def test_prompt_longer_than_context(capsys, make_tiny_artifact):
+    code, _, err = run_cli(capsys, "generate", str(make_tiny_artifact("llama")), "--prompt", "word " * 400)
+    assert_one_line_error(code, err, "the model's context is 256 tokens")
+
+
+def test_generate_json_and_inspect(capsys, make_tiny_artifact):
+    artifact = str(make_tiny_artifact("llama"))
+    code, out, _ = run_cli(capsys, "generate", artifact, "--prompt", "Paris is", "--max-new-tokens", "4", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["prompt"] == "Paris is" and len(result["token_ids"]) == 4
+    assert set(result["timings"]) >= {"prefill_ms", "decode_ms_per_token"}
+    code, out, _ = run_cli(capsys, "inspect", artifact)
+    assert code == 0 and "KV cache     512 bytes/token" in out and "kv-cache" in out
+    code, out, _ = run_cli(capsys, "passes")
+    assert code == 0 and "kv-cache (default)" in out
+
+
+def test_console_script_exit_code_and_single_line(tmp_path):
+    fxllm_bin = shutil.which("fxllm") or str(__import__("pathlib").Path(sys.executable).parent / "fxllm")
+    proc = subprocess.run([fxllm_bin, "generate", str(tmp_path / "none"), "--prompt", "x"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"fxllm: error: artifact '{tmp_path / 'none'}' does not exist"

@@ -1,0 +1,42 @@
+"""`fxllm eval`: perplexity of an artifact equals its source model's on the same text, with KL ~ 0."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pydoc_data.topics
+import pytest
+
+from fxllm.errors import FxllmError
+from fxllm.evaluation import evaluate
+
+# An offline English text that ships with Python itself.
+TEXT = Path(pydoc_data.topics.__file__)
+
+
+def test_artifact_matches_source_model(make_tiny_model, make_tiny_artifact):
+    report = evaluate(str(make_tiny_artifact("llama")), TEXT, ctx=128, max_tokens=1024,
+                      reference=str(make_tiny_model("llama")))
+    assert report.tokens == 1024 - 8 and report.windows == 8
+    assert math.isclose(report.perplexity, report.reference_perplexity, rel_tol=1e-5)
+    assert report.mean_kl < 1e-8 and report.top1_agreement == 1.0
+    assert "perplexity" in report.text()
+
+
+def test_bad_eval_arguments(make_tiny_artifact, tmp_path):
+    artifact = str(make_tiny_artifact("llama"))
+    with pytest.raises(FxllmError, match="does not exist"):
+        evaluate(artifact, tmp_path / "missing.txt")
+    with pytest.raises(FxllmError, match="exceeds the model's context of 256"):
+        evaluate(artifact, TEXT, ctx=1024)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(FxllmError, match="fewer than 2 tokens"):
+        evaluate(artifact, tmp_path / "empty.txt", ctx=128)
+
+
+@pytest.mark.slow
+def test_smollm2_artifact_perplexity_equals_transformers(smollm2_artifact):
+    report = evaluate(str(smollm2_artifact), TEXT, ctx=512, max_tokens=2048, reference="smollm2-135m")
+    assert math.isclose(report.perplexity, report.reference_perplexity, rel_tol=1e-4)
+    assert report.top1_agreement > 0.995 and report.mean_kl < 1e-6

@@ -1,0 +1,56 @@
+"""Pipeline validation happens before any work and names the problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxllm.compiler.pass_registry import _REGISTRY, register_pass
+from fxllm.compiler.pipeline import DEFAULT_PIPELINE, build_pipeline, parse_pipeline
+from fxllm.errors import PipelineError
+
+
+def test_default_pipeline_is_valid():
+    steps = build_pipeline(parse_pipeline(None))
+    assert [s.name for s in steps] == list(DEFAULT_PIPELINE)
+
+
+def test_unknown_pass_is_named():
+    with pytest.raises(PipelineError, match="unknown pass 'fuse-everything'.*available passes: .*kv-cache"):
+        build_pipeline(parse_pipeline("cleanup,fuse-everything"))
+
+
+def test_pass_applied_twice_is_rejected():
+    with pytest.raises(PipelineError, match="'kv-cache' must run before anything that provides kv-cache"):
+        build_pipeline(parse_pipeline("kv-cache,kv-cache"))
+
+
+@pytest.fixture
+def cache_reader_pass():
+    @register_pass("test-needs-cache", requires=("kv-cache",))
+    def needs_cache(program, *, factor: int = 2):
+        """Test-only pass that needs a KV cache."""
+        return program
+
+    yield "test-needs-cache"
+    del _REGISTRY["test-needs-cache"]
+
+
+def test_missing_requirement_names_the_provider(cache_reader_pass):
+    with pytest.raises(PipelineError, match=r"requires kv-cache.*cleanup → test-needs-cache.*put kv-cache before it"):
+        build_pipeline(parse_pipeline(f"cleanup,{cache_reader_pass},kv-cache"))
+    steps = build_pipeline(parse_pipeline(f"kv-cache,{cache_reader_pass}:factor=3"))
+    assert steps[1].options == {"factor": 3}
+
+
+def test_bad_options_are_rejected(cache_reader_pass):
+    with pytest.raises(PipelineError, match="has no option 'speed'"):
+        build_pipeline(parse_pipeline(f"kv-cache,{cache_reader_pass}:speed=9"))
+    with pytest.raises(PipelineError, match="expected int, got 'two'"):
+        build_pipeline(parse_pipeline(f"kv-cache,{cache_reader_pass}:factor=two"))
+    with pytest.raises(PipelineError, match="not in the pipeline"):
+        build_pipeline(parse_pipeline("kv-cache"), {"cleanup": {"x": "1"}})
+
+
+def test_empty_pipeline_is_rejected():
+    with pytest.raises(PipelineError, match="empty"):
+        parse_pipeline(" , ")

@@ -1,0 +1,88 @@
+"""Engine behaviour beyond greedy parity: sampling, stop strings, streaming, chat, context limits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fxllm
+from fxllm.errors import GenerationError
+from fxllm.runtime.sampler import Sampler, SamplingParams, probabilities
+from tests.conftest import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def engine(make_tiny_artifact):
+    return fxllm.load(make_tiny_artifact("llama"))
+
+
+def test_result_fields_and_timings(engine):
+    result = engine.generate(PROMPTS[0], max_new_tokens=5)
+    assert len(result.token_ids) == 5 and result.finish_reason == "length"
+    assert result.text == engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert result.timings["prefill_ms"] > 0 and result.timings["decode_ms_per_token"] > 0
+    assert set(result.to_dict()) >= {"prompt", "token_ids", "text", "timings"}
+
+
+def test_seeded_sampling_is_reproducible_and_varies(engine):
+    kwargs = dict(max_new_tokens=8, temperature=1.0, top_p=0.95)
+    a = engine.generate(PROMPTS[0], seed=1, **kwargs).token_ids
+    assert engine.generate(PROMPTS[0], seed=1, **kwargs).token_ids == a
+    assert any(engine.generate(PROMPTS[0], seed=s, **kwargs).token_ids != a for s in range(2, 6))
+
+
+def test_stream_pieces_add_up_to_the_generated_text(engine):
+    pieces = list(engine.stream(PROMPTS[2], max_new_tokens=12))
+    assert len(pieces) > 1
+    assert "".join(pieces) == engine.generate(PROMPTS[2], max_new_tokens=12).text
+
+
+def test_stop_string_ends_generation(engine):
+    full = engine.generate(PROMPTS[0], max_new_tokens=16).text
+    stop = full.strip()[3:6]
+    result = engine.generate(PROMPTS[0], max_new_tokens=16, stop=stop)
+    assert result.finish_reason == "stop" and stop not in result.text
+    assert full.startswith(result.text)
+
+
+def test_chat_template_is_applied(engine):
+    ids = engine.encode("hi", chat=True)
+    text = engine.tokenizer.decode(ids)
+    assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
+
+
+def test_prompt_longer_than_context_is_refused(engine):
+    too_long = [5] * engine.max_context
+    with pytest.raises(GenerationError, match=f"the prompt is {engine.max_context} tokens; the model's context is"):
+        engine.generate_ids([too_long], max_new_tokens=1)
+    with pytest.raises(GenerationError, match="empty"):
+        engine.generate_ids([[]])
+
+
+def test_generation_stops_at_the_context_end(engine):
+    prompt = [5] * (engine.max_context - 3)
+    result = engine.generate_ids([prompt], max_new_tokens=50)[0]
+    assert len(result.token_ids) == 3 and result.finish_reason == "context"
+
+
+def test_top_k_and_top_p_restrict_the_distribution():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    np.testing.assert_allclose(p, [[0.625, 0.375, 0, 0]])
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.75))
+    np.testing.assert_allclose(p, [[0.625, 0.375, 0, 0]])
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    np.testing.assert_allclose(p, [[0.5, 0.3, 0.15, 0]] / np.float64(0.95))
+
+
+def test_sampler_frequencies_follow_probabilities():
+    logits = np.log(np.array([[0.6, 0.3, 0.1]] * 20000))
+    draws = Sampler(SamplingParams(temperature=1.0, seed=0))(logits)
+    np.testing.assert_allclose(np.bincount(draws, minlength=3) / len(draws), [0.6, 0.3, 0.1], atol=0.015)
+
+
+def test_bad_sampling_parameters():
+    with pytest.raises(GenerationError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=0)
+    with pytest.raises(GenerationError, match="temperature"):
+        SamplingParams(temperature=-1)
