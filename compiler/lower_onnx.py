@@ -50,10 +50,35 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
         )
     path = Path(path)
     onnx_program.save(str(path), external_data=True)
+    name_dimensions(path, program)
     check_onnx(path)
     return onnx.load(str(path), load_external_data=False)
 
 
+def name_dimensions(path: Path, program: Program) -> None:
+    """Replace export's symbols (s0, s70, 's1 + s70'...) by the signature's names (batch, tokens, past, total) on
+    the graph's inputs, outputs and every intermediate that uses the same symbols, so ONNX users (and TensorRT
+    optimization profiles) see meaningful dynamic dimensions."""
+    model = onnx.load(str(path), load_external_data=False)  # rewriting the proto keeps the external data as is
+    renames: dict[str, str] = {}
+    io = list(zip(model.graph.input, program.inputs)) + list(zip(model.graph.output, program.outputs))
+    for value, sig in io:
+        for dim, name in zip(value.type.tensor_type.shape.dim, sig.dims):
+            if isinstance(name, str) and dim.dim_param:
+                renames.setdefault(dim.dim_param, name)
+                dim.dim_param = name
+    for value in model.graph.value_info:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in renames:
+                dim.dim_param = renames[dim.dim_param]
+    onnx.save(model, str(path))
+
+
 def check_onnx(path: Path) -> None:
-    """onnx.checker plus strict full shape inference (both read external data by path)."""
+    """onnx.checker (reads external data by path) plus strict shape inference, which must type every output."""
     onnx.checker.check_model(str(path), full_check=True)
+    model = onnx.load(str(path), load_external_data=False)
+    inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    for output in inferred.graph.output:
+        if not output.type.tensor_type.HasField("shape"):
+            raise UnsupportedModelError(f"ONNX shape inference left output '{output.name}' without a shape")

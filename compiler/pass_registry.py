@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,7 @@ from fxllm.compiler.program import Program
 from fxllm.errors import PipelineError
 
 PassFunction = Callable[..., Program]
+OPTION_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,11 @@ def register_pass(
 
 
 def _option_type(parameter: inspect.Parameter) -> type:
+    """The option's type from its default, else from its annotation (a string under postponed evaluation)."""
     if parameter.default is not inspect.Parameter.empty and parameter.default is not None:
         return type(parameter.default)
-    annotation = str(parameter.annotation)
-    return int if "int" in annotation else float if "float" in annotation else str
+    names = re.findall(r"[A-Za-z_]+", str(parameter.annotation))
+    return next((OPTION_TYPES[n] for n in names if n in OPTION_TYPES), str)
 
 
 def available_passes() -> dict[str, PassInfo]:

@@ -23,7 +23,7 @@ class PipelineStep:
 
 
 def parse_pipeline(text: str | list[str] | tuple[str, ...] | None) -> list[tuple[str, dict[str, Any]]]:
-    """'cleanup,kv-cache,gqa:kv_heads=1' → [(name, {option: value-as-text}), ...]."""
+    """'cleanup,kv-cache,name:key=value;key2=value2' → [(name, {option: value-as-text}), ...]."""
     if text is None:
         return [(name, {}) for name in DEFAULT_PIPELINE]
     items = text.split(",") if isinstance(text, str) else list(text)

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="artifact directory to write")
     p.add_argument("--passes", help="comma-separated pass list (default: cleanup,kv-cache); see `fxllm passes`")
     p.add_argument("--pass-option", action="append", default=[], metavar="PASS.KEY=VALUE",
-                   help="set a pass option, e.g. gqa.kv_heads=1 (repeatable)")
+                   help="set an option of a pass in the pipeline (repeatable); `fxllm passes` lists them")
     p.add_argument("--dump-dir", help="write per-pass graphs, op histograms, timings and drift here")
     p.add_argument("--target", default="ort", help="lowering target (default: ort)")
 

@@ -1,6 +1,7 @@
-"""Pass `cleanup`: drop export's runtime asserts, identity casts and dead code.
+"""Pass `cleanup`: drop export's runtime asserts and shape guards, identity casts and dead code.
 
-before: `_assert_tensor_metadata` / `to(x, same dtype)` / unused mask bookkeeping → after: only ops that compute.
+before: `_assert_tensor_metadata` / `_guards_fn(...)` / `to(x, same dtype)` / unused mask bookkeeping
+→ after: only ops that compute (lowering re-exports, which derives its own guards).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from fxllm.compiler.program import Program
 
 aten = torch.ops.aten
 ASSERT_OPS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
+GUARDS_MODULE = "_guards_fn"  # torch.export's unlifted module checks input shapes with this submodule
 CAST_OPS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device}
 
 
@@ -30,9 +32,12 @@ def _is_identity_cast(node: torch.fx.Node) -> bool:
 
 @register_pass("cleanup")
 def cleanup(program: Program) -> Program:
-    """Remove runtime asserts, identity casts and dead code."""
+    """Remove runtime asserts, shape guards, identity casts and dead code."""
     graph = program.graph
     for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == GUARDS_MODULE and not node.users:
+            graph.erase_node(node)
+            program.graph_module.delete_submodule(GUARDS_MODULE)
         if node.op != "call_function":
             continue
         if node.target in ASSERT_OPS:

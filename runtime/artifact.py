@@ -40,14 +40,26 @@ def staging_directory(output: str | os.PathLike, overwrite: bool = True) -> Iter
         raise ArtifactError(f"'{output}' exists and is not an fxllm artifact; refusing to replace it")
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; an artifact is as readable as any new directory
     try:
         yield staging
         if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
+            # Move the old artifact aside first, so at every instant `output` is either old or new, never half.
+            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
+            os.replace(output, retired / "artifact")
+            os.replace(staging, output)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:

@@ -45,3 +45,29 @@ def test_spec_records_model_facts(make_tiny_model):
     assert spec.vocab_size == 49152 and spec.max_positions == 256
     assert spec.rope["rope_theta"] > 0
     assert spec.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4
+
+
+def test_sliding_window_caps_the_context(tmp_path, tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.conftest import TINY_COMMON
+
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(**TINY_COMMON, sliding_window=64)).save_pretrained(tmp_path)
+    spec = capture(load_model(resolve_source(tmp_path))).program.spec
+    assert spec.max_positions == 64 and "sliding window" in spec.notes[0]
+
+
+def test_pass_option_types_come_from_defaults_and_annotations():
+    from fxllm.compiler.pass_registry import _REGISTRY, register_pass
+
+    @register_pass("test-option-types")
+    def typed(program, *, flag: bool | None = None, count: int | None = None, ratio: float = 0.5, label="x"):
+        """Test-only pass."""
+        return program
+
+    try:
+        assert _REGISTRY["test-option-types"].option_types == {"flag": bool, "count": int, "ratio": float,
+                                                                "label": str}
+    finally:
+        del _REGISTRY["test-option-types"]
