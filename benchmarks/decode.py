@@ -202,7 +202,7 @@ def format_table(measurements: list[Measurement]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file or 'smollm2-135m'")
-    parser.add_argument("--artifact", type=Path, help="existing compiled artifact of MODEL (default: compile and cache)")
+    parser.add_argument("--artifact", type=Path, help="compiled artifact of MODEL (default: compile once and cache)")
     parser.add_argument("--recompile", action="store_true", help="rebuild the cached artifact")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every system")
@@ -220,6 +220,7 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[ModelSource, Path, Workload]:

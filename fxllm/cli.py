@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("compile", help="compile a model into an artifact directory")
     p.add_argument("model", help="Hugging Face model directory, .gguf file, or 'smollm2-135m'")
     p.add_argument("-o", "--output", required=True, help="artifact directory to write")
-    p.add_argument("--passes", help="comma-separated pass list (default: cleanup,kv-cache); see `fxllm passes`")
+    p.add_argument("--passes", help="comma-separated pass list (default: cleanup,fuse-projections,kv-cache); see `fxllm passes`")
     p.add_argument("--pass-option", action="append", default=[], metavar="PASS.KEY=VALUE",
                    help="set an option of a pass in the pipeline (repeatable); `fxllm passes` lists them")
     p.add_argument("--dump-dir", help="write per-pass graphs, op histograms, timings and drift here")
@@ -77,10 +77,10 @@ def cmd_compile(args) -> None:
                            dump_dir=args.dump_dir, target=args.target)
     wall = time.perf_counter() - start
     print(f"compiled {args.model} → {report.output}")
-    print(f"  {'pass':<14} {'time s':>7} {'max|Δlogit|':>12} {'mean KL':>9} {'greedy':>7}")
+    print(f"  {'pass':<18} {'time s':>7} {'max|Δlogit|':>12} {'mean KL':>9} {'greedy':>7}")
     for r in report.records:
         d = r.drift
-        print(f"  {r.name:<14} {r.seconds:>7.2f} {d.max_abs_logit:>12.2e} {d.mean_kl:>9.1e} {d.greedy_agreement:>7.1%}")
+        print(f"  {r.name:<18} {r.seconds:>7.2f} {d.max_abs_logit:>12.2e} {d.mean_kl:>9.1e} {d.greedy_agreement:>7.1%}")
     phases = "  ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())
     print(f"  phases: {phases}")
     print(f"compile time: {wall:.1f} s")
