@@ -30,8 +30,19 @@ def _fxllm_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise UnsupportedModelError(f"{type(module).__name__} uses soft-capped attention, which fxllm cannot express")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = torch.ops.fxllm.attention(query, key, value, float(scaling))
+    # Faithful to transformers' default attention path, which repeats K/V to every query head (repeat_kv); the
+    # `gqa` pass folds the repeat away so attention reads the KV heads directly.
+    groups = query.shape[1] // key.shape[1]
+    out = torch.ops.fxllm.attention(query, repeat_kv(key, groups), repeat_kv(value, groups), float(scaling))
     return out.transpose(1, 2).contiguous(), None
+
+
+def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B,Hkv,T,D] → [B,Hkv*groups,T,D], head h of the result being KV head h // groups (transformers' repeat_kv)."""
+    if groups == 1:
+        return states
+    batch, heads, tokens, dim = states.shape
+    return states[:, :, None, :, :].expand(batch, heads, groups, tokens, dim).reshape(batch, heads * groups, tokens, dim)
 
 
 def register_attention() -> None:

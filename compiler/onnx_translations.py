@@ -33,14 +33,15 @@ def causal_mask(attention_mask, input_ids):
     return op.Or(op.And(causal, not_padding), is_self)
 
 
-def attention_kv(q, k, v, past_k, past_v, mask, scale: float):
-    """fxllm::attention_kv → Attention with past_key/past_value in and present_key/present_value out."""
-    out, present_k, present_v, _ = op.Attention(q, k, v, mask, past_k, past_v, scale=scale)
-    return out, present_k, present_v
+def masked_attention(q, k, v, mask, scale: float):
+    """fxllm::masked_attention → Attention(q, k, v, attn_mask): 4D, no past inputs (the cache concatenation is a
+    plain Concat in front), the form both ONNX Runtime and TensorRT's parser accept."""
+    out, _, _, _ = op.Attention(q, k, v, mask, scale=scale)
+    return out
 
 
 TRANSLATIONS = {
     torch.ops.fxllm.attention.default: attention,
     torch.ops.fxllm.causal_mask.default: causal_mask,
-    torch.ops.fxllm.attention_kv.default: attention_kv,
+    torch.ops.fxllm.masked_attention.default: masked_attention,
 }

@@ -41,22 +41,16 @@ def _causal_mask_fake(attention_mask: Tensor, input_ids: Tensor) -> Tensor:
     return attention_mask.new_empty((batch, 1, input_ids.shape[1], total), dtype=torch.bool)
 
 
-@torch.library.custom_op("fxllm::attention_kv", mutates_args=())
-def attention_kv(
-    q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor, scale: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention over a contiguous KV cache: present = concat(past, new) along time; returns (out, present_k,
-    present_v). q [B,Hq,T,D]; k, v [B,Hkv,T,D]; past [B,Hkv,P,D]; mask bool [B,1,T,P+T]."""
-    present_k = torch.cat([past_k, k], dim=2)
-    present_v = torch.cat([past_v, v], dim=2)
-    out = F.scaled_dot_product_attention(q, present_k, present_v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out, present_k, present_v
+@torch.library.custom_op("fxllm::masked_attention", mutates_args=())
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention under an explicit bool mask (True = visible). q [B,Hq,T,D]; k, v [B,Hkv,S,D] (cache included);
+    mask [B,1,T,S]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-@attention_kv.register_fake
-def _attention_kv_fake(q, k, v, past_k, past_v, mask, scale):
-    present_shape = (k.shape[0], k.shape[1], past_k.shape[2] + k.shape[2], k.shape[3])
-    return torch.empty_like(q), k.new_empty(present_shape), v.new_empty(present_shape)
+@masked_attention.register_fake
+def _masked_attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(q)
 
 
-ATTENTION_OPS = (torch.ops.fxllm.attention.default, torch.ops.fxllm.attention_kv.default)
+ATTENTION_OPS = (torch.ops.fxllm.attention.default, torch.ops.fxllm.masked_attention.default)

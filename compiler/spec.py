@@ -24,6 +24,7 @@ class ModelSpec:
     pad_token_id: int | None = None
     dtype: str = "float32"
     notes: list[str] = field(default_factory=list)
+    source_num_kv_heads: int | None = None  # set when a pass changed the KV heads (gqa conversion)
 
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
         """Bytes of K and V cache one token occupies across all layers."""

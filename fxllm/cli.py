@@ -26,9 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("compile", help="compile a model into an artifact directory")
     p.add_argument("model", help="Hugging Face model directory, .gguf file, or 'smollm2-135m'")
     p.add_argument("-o", "--output", required=True, help="artifact directory to write")
-    p.add_argument("--passes", help="comma-separated pass list (default: cleanup,fuse-projections,kv-cache); see `fxllm passes`")
+    p.add_argument("--passes", help="comma-separated pass list (default: cleanup,gqa,fuse-projections,kv-cache); see `fxllm passes`")
     p.add_argument("--pass-option", action="append", default=[], metavar="PASS.KEY=VALUE",
                    help="set an option of a pass in the pipeline (repeatable); `fxllm passes` lists them")
+    p.add_argument("--kv-heads", type=int, help="regroup attention to N KV heads (option kv_heads of the gqa pass)")
     p.add_argument("--dump-dir", help="write per-pass graphs, op histograms, timings and drift here")
     p.add_argument("--target", default="ort", help="lowering target (default: ort)")
 
@@ -72,6 +73,8 @@ def cmd_compile(args) -> None:
         if not (eq and dot and name and option):
             raise PipelineError(f"--pass-option '{item}' is not of the form PASS.KEY=VALUE")
         options.setdefault(name, {})[option.replace("-", "_")] = value
+    if args.kv_heads is not None:
+        options.setdefault("gqa", {})["kv_heads"] = args.kv_heads
     start = time.perf_counter()
     report = compile_model(args.model, args.output, passes=args.passes, pass_options=options,
                            dump_dir=args.dump_dir, target=args.target)
@@ -167,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fxllm: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into e.g. `head`
+        sys.stderr.close()
+        return 0
     except Exception as exc:  # a bug, not bad input: still one line unless -v
         if args.verbose:
             traceback.print_exc()

@@ -1,18 +1,20 @@
 """Pass `kv-cache`: give every attention layer a contiguous KV cache, so a step computes only its new tokens.
 
-before: attention(q, k, v) over the whole sequence → after: attention_kv(q, k, v, past_k, past_v, mask) returning
-present K/V (model's KV heads only); new inputs attention_mask + past_key_i/past_value_i, new outputs present_*.
+before: attention(q, k, v) over the whole sequence
+→ after: present_k = cat(past_k, k); masked_attention(q, present_k, present_v, mask) with one shared causal+padding
+mask; new inputs attention_mask + past_key_i/past_value_i, new outputs present_key_i/present_value_i. The cache holds
+the model's KV heads only: a repeat of K/V to the query heads (see `gqa`) is moved behind the cache.
 """
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
+from fxllm.compiler.patterns import build_repeat_kv, match_repeat_kv
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program, TensorSig
 
+aten = torch.ops.aten
 fxllm_ops = torch.ops.fxllm
 
 
@@ -29,8 +31,8 @@ def kv_cache(program: Program) -> Program:
     with graph.inserting_after(last_input):
         attention_mask = graph.placeholder("attention_mask")
     new_inputs = [TensorSig("attention_mask", ("batch", "total"), "int64")]
-    past_nodes = []
     anchor = attention_mask
+    past_nodes = []
     for layer in range(len(attention_nodes)):
         with graph.inserting_after(anchor):
             past_key = graph.placeholder(f"past_key_{layer}")
@@ -38,27 +40,30 @@ def kv_cache(program: Program) -> Program:
             past_value = graph.placeholder(f"past_value_{layer}")
         anchor = past_value
         past_nodes.append((past_key, past_value))
-        new_inputs += [TensorSig(past_key.name, cache_dims, "float32"), TensorSig(past_value.name, cache_dims, "float32")]
+        new_inputs += [TensorSig(past_key.name, cache_dims, "float32"),
+                       TensorSig(past_value.name, cache_dims, "float32")]
     with graph.inserting_after(anchor):
         mask = graph.call_function(fxllm_ops.causal_mask.default, (attention_mask, program.placeholder("input_ids")))
 
     presents = []
     for layer, node in enumerate(attention_nodes):
         q, k, v, scale = node.args
-        past_key, past_value = past_nodes[layer]
+        attended = []
         with graph.inserting_before(node):
-            fused = graph.call_function(fxllm_ops.attention_kv.default, (q, k, v, past_key, past_value, mask, scale))
-            out, present_key, present_value = (graph.call_function(operator.getitem, (fused, i)) for i in range(3))
+            for past, new in zip(past_nodes[layer], (k, v)):
+                repeat = match_repeat_kv(new)
+                present = graph.call_function(aten.cat.default, ([past, repeat[0] if repeat else new], 2))
+                presents.append(present)
+                attended.append(build_repeat_kv(graph, present, repeat[1]) if repeat else present)
+            out = graph.call_function(fxllm_ops.masked_attention.default, (q, *attended, mask, scale))
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-        presents += [present_key, present_value]
+    graph.eliminate_dead_code()  # the per-step repeats of the new K/V alone are no longer used
 
     output = program.output_node()
     output.args = (tuple(output.args[0]) + tuple(presents),)
     program.inputs += new_inputs
     for layer in range(len(attention_nodes)):
-        program.outputs += [
-            TensorSig(f"present_key_{layer}", present_dims, "float32"),
-            TensorSig(f"present_value_{layer}", present_dims, "float32"),
-        ]
+        program.outputs += [TensorSig(f"present_key_{layer}", present_dims, "float32"),
+                            TensorSig(f"present_value_{layer}", present_dims, "float32")]
     return program

@@ -30,6 +30,8 @@ def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
         "bytes": {"total": sum(f["bytes"] for f in files.values()), "files": {k: v["bytes"] for k, v in files.items()}},
         "kv_cache_bytes_per_token": kv_bytes,
         "kv_cache_bytes_full_context": kv_bytes * spec["max_positions"],
+        "kv_cache_bytes_per_token_before_passes": kv_bytes // spec["num_kv_heads"] * (
+            spec.get("source_num_kv_heads") or spec["num_kv_heads"]),
         "compile_seconds": manifest.get("compile_seconds", {}),
     }
     info["text"] = _render(info)
@@ -45,7 +47,9 @@ def _render(info: dict[str, Any]) -> str:
         f"{spec['num_heads']} heads / {spec['num_kv_heads']} KV heads × {spec['head_dim']}, hidden "
         f"{spec['hidden_size']}, vocab {spec['vocab_size']}, context {spec['max_positions']}",
         f"KV cache     {info['kv_cache_bytes_per_token']:,} bytes/token (fp32), "
-        f"{_mb(info['kv_cache_bytes_full_context'])} per sequence at full context",
+        f"{_mb(info['kv_cache_bytes_full_context'])} per sequence at full context"
+        + (f"; {info['kv_cache_bytes_per_token_before_passes']:,} bytes/token before gqa regrouped "
+           f"{spec['source_num_kv_heads']} → {spec['num_kv_heads']} KV heads" if spec.get("source_num_kv_heads") else ""),
         f"size         {_mb(info['bytes']['total'])}: "
         + ", ".join(f"{k} {_mb(v)}" for k, v in info["bytes"]["files"].items() if v > 2**20),
         "passes",

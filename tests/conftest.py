@@ -35,6 +35,8 @@ def tiny_config(arch: str):
         return Qwen2Config(**TINY_COMMON, use_sliding_window=False)
     if arch == "mistral":
         return MistralConfig(**TINY_COMMON, sliding_window=None)
+    if arch == "gpt2":
+        return tiny_gpt2_config()
     raise ValueError(arch)
 
 
@@ -105,3 +107,10 @@ def smollm2_model():
     from fxllm.compiler.sources import load_model, resolve_source
 
     return load_model(resolve_source("smollm2-135m"))
+
+
+def tiny_gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=49152, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
+                      eos_token_id=2)

@@ -11,22 +11,30 @@ from fxllm.compiler.interface import run_sequence
 from fxllm.compiler.sources import load_model, resolve_source
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_capture_has_one_attention_per_layer_at_kv_heads(arch, make_tiny_model):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
+def test_capture_has_one_attention_per_layer_fed_by_kv_heads(arch, make_tiny_model):
+    """Faithful to transformers: K/V are computed at the KV heads and repeated to the query heads (repeat_kv)
+    right in front of the one fxllm.attention node per layer; no mask construction reaches the graph."""
+    from fxllm.compiler.lint import refresh_meta
+    from fxllm.compiler.patterns import match_repeat_kv
+
     model = load_model(resolve_source(make_tiny_model(arch)))
     program = capture(model).program
     attention = [n for n in program.graph.nodes if n.target is torch.ops.fxllm.attention.default]
     assert len(attention) == program.spec.num_layers == 2
-    from fxllm.compiler.lint import refresh_meta
-
     refresh_meta(program)
     for node in attention:
         q, k, v = (arg.meta["val"] for arg in node.args[:3])
-        assert q.shape[1] == program.spec.num_heads and k.shape[1] == v.shape[1] == program.spec.num_kv_heads
-    # No repeat_kv and no mask construction reach the graph.
+        assert q.shape[1] == k.shape[1] == v.shape[1] == program.spec.num_heads
+        for kv in node.args[1:3]:
+            repeat = match_repeat_kv(kv)
+            if program.spec.num_kv_heads == program.spec.num_heads:
+                assert repeat is None
+            else:
+                assert repeat[1] == program.spec.num_heads // program.spec.num_kv_heads
+                assert repeat[0].meta["val"].shape[1] == program.spec.num_kv_heads
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
-    assert "aten.expand.default" not in {str(a.target) for n in attention for a in n.args[1:3]}
-    assert not any("scaled_dot_product" in t or "tril" in t for t in targets)
+    assert not any("scaled_dot_product" in t or "tril" in t or "triu" in t for t in targets)
 
 
 def test_captured_logits_match_eager(make_tiny_model):

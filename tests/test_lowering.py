@@ -20,11 +20,14 @@ def test_onnx_is_valid_standard_and_native(make_tiny_artifact):
     assert {op.domain for op in model.opset_import} <= {"", "ai.onnx"}
     assert all(node.domain in ("", "ai.onnx") for node in model.graph.node), "no contrib ops in the standard form"
     ops = Counter(node.op_type for node in model.graph.node)
-    assert ops["Attention"] == 2  # one per layer, with past/present
+    assert ops["Attention"] == 2  # one per layer, fed by the cache concatenation
     assert ops["RMSNormalization"] == 5 and ops["RotaryEmbedding"] == 4
     assert not {"Expand", "Tile"} & set(ops), "K/V must not be repeated to the query heads"
     attention = [n for n in model.graph.node if n.op_type == "Attention"]
-    assert all(len(n.input) == 6 and len(n.output) >= 3 for n in attention)
+    outputs = {name: node for node in model.graph.node for name in node.output}
+    for node in attention:  # 4D q, k, v, mask: no past inputs, one output (the form TensorRT's parser accepts)
+        assert len(node.input) == 4 and [o for o in node.output if o] == node.output[:1]
+        assert {outputs[name].op_type for name in node.input[1:3]} == {"Concat"}
     assert (artifact / "model.onnx.data").stat().st_size > 1_000_000, "weights live in external data"
 
 
