@@ -1,52 +1,75 @@
-"""Decode-speed benchmark: fxllm's compiled ONNX Runtime engine against transformers eager, in one run.
+"""Decode-speed benchmark: fxllm's compiled ONNX Runtime engines against transformers eager, in one run.
 
 Measures milliseconds per decoded token at batch 1, greedy, a fixed number of new tokens (default 64) and a fixed
 number of intra-op threads (default 2), on the same prompt token ids for every system. Each system runs once to warm
-up and then --repeats times; the table shows medians, tokens/s, and each system's speedup over transformers measured
-in this same run. It also says whether the systems' greedy tokens are identical (they should be).
+up and then --repeats times; per context length, a table shows medians, tokens/s, each row's ms/token relative to
+the default fxllm row ("vs default": >1 is slower), each system's speedup over transformers measured in this same
+run, and the KV-cache bytes per token of each fxllm artifact. It also says whether every fxllm row's greedy tokens
+are identical to the default row's and to transformers' (they should be, unless a pass changes the model).
 
-Both systems decode exactly --new-tokens tokens: EOS does not stop them, and neither suppresses it, so each emits
-the plain argmax sequence.
+The systems are the default pipeline (`fxllm (default pipeline)`), one row `fxllm NAME` per --variant NAME=PASSES
+compiled with that pass list, and transformers eager unless --skip-transformers. Every system decodes exactly
+--new-tokens tokens: EOS does not stop them, and none suppresses it, so each emits the plain argmax sequence.
 
     .venv/bin/python benchmarks/decode.py                         # SmolLM2-135M, 64 tokens, 2 threads
-    .venv/bin/python benchmarks/decode.py --context 2048          # decode after a ~2048-token prompt
+    .venv/bin/python benchmarks/decode.py --contexts 64,1024      # one table per ~64- and ~1024-token prompt
+    .venv/bin/python benchmarks/decode.py --variant "no-gqa=cleanup,fuse-projections,kv-cache" \\
+        --contexts 64,1024 --repeats 3 --skip-transformers        # default pipeline against one without gqa
     .venv/bin/python benchmarks/decode.py --model DIR_OR_GGUF --artifact ARTIFACT --json results.json
 
-Without --artifact, the model is compiled with the default pipeline into ~/.cache/fxllm/bench/<name> on the first run
-and reused afterwards; pass --recompile after changing the compiler.
+Without --artifact, the default row's model is compiled with the default pipeline into
+~/.cache/fxllm/bench/<model> on the first run; a variant's goes to ~/.cache/fxllm/bench/<model>--<NAME>--<hash of
+its pass list>. Cached artifacts are reused while their recorded passes match; pass --recompile after changing the
+compiler.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import fxllm
+from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
 from fxllm.compiler.sources import ModelSource, load_model, resolve_source
+from fxllm.compiler.spec import ModelSpec
 from fxllm.errors import ArtifactError, FxllmError
 from fxllm.runtime.artifact import read_manifest
 
 DEFAULT_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, "
                   "a goldsmith from Mainz,")
 CACHE_DIR = Path.home() / ".cache" / "fxllm" / "bench"
+DEFAULT_SYSTEM = "fxllm (default pipeline)"
 BASELINE = "transformers eager (sdpa)"
+VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One fxllm row: a compiled artifact and its manifest."""
+    system: str
+    artifact: Path
+    manifest: dict[str, Any]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return ModelSpec.from_dict(self.manifest["spec"]).kv_bytes_per_token()
 
 
 @dataclass(frozen=True)
 class Workload:
     prompt_ids: list[int]
     new_tokens: int
-    threads: int
     repeats: int
 
 
@@ -64,14 +87,167 @@ class Measurement:
     prefill_ms: float  # median over the repeats
     runs_ms_per_token: list[float]
     token_ids: list[int]
+    kv_bytes_per_token: int | None = None  # fxllm rows: from the artifact's spec (float32 K and V, all layers)
 
     @property
     def tokens_per_s(self) -> float:
         return 1e3 / self.ms_per_token
 
 
-System = Callable[[Workload], Measurement]
+Runner = Callable[[Workload], Measurement]
 
+
+# --- arguments ---------------------------------------------------------------------------------------------------
+
+def parse_variant(text: str) -> tuple[str, str]:
+    """'NAME=PASSES' → (NAME, PASSES); NAME becomes part of a directory name, so it is kept to [A-Za-z0-9._-]."""
+    name, eq, passes = text.partition("=")
+    name, passes = name.strip(), passes.strip()
+    if not eq or not passes:
+        raise argparse.ArgumentTypeError(f"expected NAME=PASSES, got '{text}'")
+    if not VARIANT_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(f"variant name '{name}' may only use letters, digits, '.', '_' and '-'")
+    return name, passes
+
+
+def parse_contexts(text: str) -> list[int]:
+    """'64,1024' → [64, 1024]."""
+    try:
+        contexts = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of token counts, got '{text}'") from None
+    if not contexts or min(contexts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts, got '{text}'")
+    return contexts
+
+
+def parse_context(text: str) -> list[int]:
+    """'2048' → [2048]: --context is --contexts with one value."""
+    contexts = parse_contexts(text)
+    if len(contexts) != 1:
+        raise argparse.ArgumentTypeError(f"--context takes one token count (--contexts takes several), got '{text}'")
+    return contexts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file or 'smollm2-135m'")
+    parser.add_argument("--artifact", type=Path,
+                        help="compiled artifact of MODEL for the default row (default: compile once and cache)")
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=PASSES",
+                        help="also measure MODEL compiled with this pass list, as row 'fxllm NAME' (repeatable)")
+    parser.add_argument("--recompile", action="store_true", help="rebuild the cached artifacts")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every system")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per system, after one warm-up")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    contexts = parser.add_mutually_exclusive_group()
+    contexts.add_argument("--contexts", type=parse_contexts, default=[None], metavar="N[,N...]",
+                          help="one table per N: the prompt repeated to about N tokens")
+    contexts.add_argument("--context", type=parse_context, dest="contexts", metavar="N", help="same as --contexts N")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    return parser
+
+
+def quiet_libraries() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+# --- artifacts ---------------------------------------------------------------------------------------------------
+
+def pipeline_record(passes: str | None) -> list[dict[str, Any]]:
+    """The passes and typed options a compile with `passes` records in its manifest; checks the pass list."""
+    return [{"name": step.name, "options": step.options} for step in build_pipeline(parse_pipeline(passes))]
+
+
+def variant_directory(source: ModelSource, name: str, passes: str) -> Path:
+    canonical = ",".join(item.strip() for item in passes.split(",") if item.strip())
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:8]
+    return CACHE_DIR / f"{source.name}--{name}--{digest}"
+
+
+def cached_manifest(directory: Path, passes: str | None) -> dict[str, Any] | None:
+    """The manifest of the artifact in `directory` when it was compiled with `passes`, else None."""
+    try:
+        manifest = read_manifest(directory, verify=False)  # fxllm.load checksums the files
+    except ArtifactError:
+        return None
+    recorded = [{"name": p["name"], "options": p["options"]} for p in manifest["passes"]]
+    if recorded != pipeline_record(passes):
+        print(f"cached artifact {directory} was compiled with passes "
+              f"{','.join(p['name'] for p in recorded)}; recompiling")
+        return None
+    print(f"using cached artifact {directory} (--recompile to rebuild it)")
+    return manifest
+
+
+def ensure_artifact(model: str, directory: Path, passes: str | None, recompile: bool) -> dict[str, Any]:
+    """The manifest of the artifact in `directory`, compiled with `passes` (None: the default pipeline) if needed."""
+    manifest = None if recompile else cached_manifest(directory, passes)
+    if manifest is None:
+        start = time.perf_counter()
+        fxllm.compile(model, directory, passes=passes)
+        print(f"compiled {model} ({passes or 'default pipeline'}) → {directory} in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+        manifest = read_manifest(directory, verify=False)
+    return manifest
+
+
+def prepare_variants(args: argparse.Namespace, parser: argparse.ArgumentParser, source: ModelSource) -> list[Variant]:
+    """The default row first, then one per --variant; every pass list is checked before anything compiles."""
+    names = [name for name, _ in args.variant]
+    if len(set(names)) < len(names):
+        parser.error("--variant names must be distinct")
+    for _, passes in args.variant:
+        pipeline_record(passes)
+    if args.artifact:
+        default = Variant(DEFAULT_SYSTEM, args.artifact, read_manifest(args.artifact, verify=False))
+    else:
+        directory = CACHE_DIR / source.name
+        default = Variant(DEFAULT_SYSTEM, directory, ensure_artifact(args.model, directory, None, args.recompile))
+    variants = [default]
+    for name, passes in args.variant:
+        directory = variant_directory(source, name, passes)
+        variants.append(Variant(f"fxllm {name}", directory,
+                                ensure_artifact(args.model, directory, passes, args.recompile)))
+    for variant in variants:
+        if variant.manifest["source"]["name"] != source.name:
+            print(f"warning: {variant.artifact} was compiled from '{variant.manifest['source']['name']}', "
+                  f"not '{source.name}'", file=sys.stderr)
+    return variants
+
+
+# --- prompts -----------------------------------------------------------------------------------------------------
+
+def load_tokenizer(variant: Variant) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(variant.artifact / variant.manifest["tokenizer_dir"])
+
+
+def encode_prompt(tokenizer: Any, prompt: str, context: int | None) -> list[int]:
+    """Token ids of the prompt, repeated until it is at least `context` tokens long when `context` is given."""
+    ids = tokenizer(prompt)["input_ids"]
+    if context and len(ids) < context:
+        ids = tokenizer(" ".join([prompt] * -(-context // len(ids))))["input_ids"]
+    return list(ids)
+
+
+def check_fits(work: Workload, variants: list[Variant], parser: argparse.ArgumentParser) -> None:
+    for variant in variants:
+        max_positions = variant.manifest["spec"]["max_positions"]
+        if len(work.prompt_ids) + work.new_tokens > max_positions:
+            parser.error(f"{len(work.prompt_ids)} prompt + {work.new_tokens} new tokens exceed the context of "
+                         f"{max_positions} of {variant.artifact}")
+
+
+# --- systems -----------------------------------------------------------------------------------------------------
 
 def repeated(system: str, run_once: Callable[[], Run], repeats: int) -> Measurement:
     """One warm-up run, then `repeats` timed runs summarized by their medians."""
@@ -86,67 +262,51 @@ def repeated(system: str, run_once: Callable[[], Run], repeats: int) -> Measurem
     )
 
 
-def measure_fxllm(artifact: Path, work: Workload) -> Measurement:
-    engine = fxllm.load(artifact, threads=work.threads)
+def fxllm_runner(variant: Variant, threads: int) -> Runner:
+    """Load the variant's engine once; the runner measures it on any workload."""
+    engine = fxllm.load(variant.artifact, threads=threads)
     # With no EOS ids the engine never stops early, so every run decodes exactly new_tokens tokens.
     engine.eos_token_ids = set()
 
-    def run_once() -> Run:
-        result = engine.generate_ids([work.prompt_ids], max_new_tokens=work.new_tokens)[0]
-        return Run(result.timings["prefill_ms"], result.timings["decode_ms_per_token"], result.token_ids)
+    def measure(work: Workload) -> Measurement:
+        def run_once() -> Run:
+            result = engine.generate_ids([work.prompt_ids], max_new_tokens=work.new_tokens)[0]
+            return Run(result.timings["prefill_ms"], result.timings["decode_ms_per_token"], result.token_ids)
 
-    return repeated("fxllm (onnxruntime)", run_once, work.repeats)
+        measurement = repeated(variant.system, run_once, work.repeats)
+        measurement.kv_bytes_per_token = variant.kv_bytes_per_token
+        return measurement
+
+    return measure
 
 
-def measure_transformers(source: ModelSource, work: Workload) -> Measurement:
+def transformers_runner(source: ModelSource, threads: int) -> Runner:
+    """Load the transformers model once (float32, its default "sdpa" attention); the runner measures it."""
     import torch
 
-    torch.set_num_threads(work.threads)
-    model = load_model(source)  # float32, transformers' default "sdpa" attention
-    ids = torch.tensor([work.prompt_ids])
+    torch.set_num_threads(threads)
+    model = load_model(source)
 
-    def generate(new_tokens: int) -> tuple[float, list[int]]:
-        # eos_token_id=None decodes through EOS like the fxllm side; min_new_tokens would instead replace an EOS
-        # argmax with the runner-up token and make the greedy sequences differ.
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                             eos_token_id=None)
-        return (time.perf_counter() - start) * 1e3, out[0, ids.shape[1]:].tolist()
+    def measure(work: Workload) -> Measurement:
+        ids = torch.tensor([work.prompt_ids])
 
-    def run_once() -> Run:
-        # generate() reports no timings, so the decode rate is the difference between N tokens and 1 (≈ prefill).
-        first_ms, _ = generate(1)
-        total_ms, tokens = generate(work.new_tokens)
-        return Run(first_ms, (total_ms - first_ms) / (work.new_tokens - 1), tokens)
+        def generate(new_tokens: int) -> tuple[float, list[int]]:
+            # eos_token_id=None decodes through EOS like the fxllm side; min_new_tokens would instead replace an
+            # EOS argmax with the runner-up token and make the greedy sequences differ.
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=new_tokens, eos_token_id=None)
+            return (time.perf_counter() - start) * 1e3, out[0, ids.shape[1]:].tolist()
 
-    return repeated(BASELINE, run_once, work.repeats)
+        def run_once() -> Run:
+            # generate() reports no timings, so the decode rate is the difference between N tokens and 1 (≈ prefill).
+            first_ms, _ = generate(1)
+            total_ms, tokens = generate(work.new_tokens)
+            return Run(first_ms, (total_ms - first_ms) / (work.new_tokens - 1), tokens)
 
+        return repeated(BASELINE, run_once, work.repeats)
 
-def ensure_artifact(model: str, source: ModelSource, recompile: bool) -> Path:
-    """The cached artifact for `source`, compiled with the default pipeline when missing or when asked to."""
-    directory = CACHE_DIR / source.name
-    if not recompile:
-        try:
-            read_manifest(directory, verify=False)  # fxllm.load checksums the files
-            print(f"using cached artifact {directory} (--recompile to rebuild it)")
-            return directory
-        except ArtifactError:
-            pass
-    start = time.perf_counter()
-    fxllm.compile(model, directory)
-    print(f"compiled {model} → {directory} in {time.perf_counter() - start:.1f} s")
-    return directory
-
-
-def encode_prompt(artifact: Path, manifest: dict[str, Any], prompt: str, context: int | None) -> list[int]:
-    """Token ids of the prompt, repeated until it is at least `context` tokens long when `context` is given."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(artifact / manifest["tokenizer_dir"])
-    ids = tokenizer(prompt)["input_ids"]
-    if context and len(ids) < context:
-        ids = tokenizer(" ".join([prompt] * -(-context // len(ids))))["input_ids"]
-    return list(ids)
+    return measure
 
 
 def environment() -> dict[str, Any]:
@@ -165,13 +325,15 @@ def environment() -> dict[str, Any]:
     }
 
 
-def find_baseline(measurements: list[Measurement]) -> Measurement | None:
-    return next((m for m in measurements if m.system == BASELINE), None)
+# --- comparisons -------------------------------------------------------------------------------------------------
+
+def find(measurements: list[Measurement], system: str) -> Measurement | None:
+    return next((m for m in measurements if m.system == system), None)
 
 
-def speedups(measurements: list[Measurement]) -> dict[str, float | None]:
-    baseline = find_baseline(measurements)
-    return {m.system: baseline.ms_per_token / m.ms_per_token if baseline else None for m in measurements}
+def ms_ratio(numerator: Measurement | None, denominator: Measurement | None) -> float | None:
+    """numerator's ms/token over denominator's, or None when either was not measured."""
+    return numerator.ms_per_token / denominator.ms_per_token if numerator and denominator else None
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -181,12 +343,32 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def greedy_verdicts(measurements: list[Measurement]) -> dict[str, dict[str, str]]:
+    """For every fxllm row: whether its greedy tokens equal the default row's (other rows) and transformers'."""
+    default, baseline = find(measurements, DEFAULT_SYSTEM), find(measurements, BASELINE)
+    verdicts: dict[str, dict[str, str]] = {}
+    for m in measurements:
+        if m is baseline:
+            continue
+        for reference in (r for r in (default, baseline) if r and r is not m):
+            index = first_difference(m.token_ids, reference.token_ids)
+            verdicts.setdefault(m.system, {})[reference.system] = (
+                "identical" if index is None else f"DIFFERENT from token {index} on")
+    return verdicts
+
+
+def format_ratio(value: float | None) -> str:
+    return f"{value:.2f}x" if value else "n/a"
+
+
 def format_table(measurements: list[Measurement]) -> str:
-    header = ["system", "ms/token", "prefill ms", "tokens/s", "speedup vs transformers"]
-    speedup = speedups(measurements)
+    header = ["system", "ms/token", "prefill ms", "tokens/s", "vs default", "speedup vs transformers",
+              "KV cache bytes/token"]
+    default, baseline = find(measurements, DEFAULT_SYSTEM), find(measurements, BASELINE)
     rows = [
         [m.system, f"{m.ms_per_token:.1f}", f"{m.prefill_ms:.1f}", f"{m.tokens_per_s:.1f}",
-         f"{speedup[m.system]:.2f}x" if speedup[m.system] else "n/a"]
+         format_ratio(ms_ratio(m, default)), format_ratio(ms_ratio(baseline, m)),
+         f"{m.kv_bytes_per_token:,}" if m.kv_bytes_per_token else "n/a"]
         for m in measurements
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -199,85 +381,59 @@ def format_table(measurements: list[Measurement]) -> str:
     return "\n".join([line(header), rule, *(line(row) for row in rows)])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file or 'smollm2-135m'")
-    parser.add_argument("--artifact", type=Path, help="compiled artifact of MODEL (default: compile once and cache)")
-    parser.add_argument("--recompile", action="store_true", help="rebuild the cached artifact")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every system")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per system, after one warm-up")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--context", type=int, help="repeat the prompt to about this many tokens")
-    parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    return parser
+def context_results(context: int | None, work: Workload, measurements: list[Measurement]) -> dict[str, Any]:
+    """The JSON record of one context's measurements."""
+    default, baseline = find(measurements, DEFAULT_SYSTEM), find(measurements, BASELINE)
+    verdicts = greedy_verdicts(measurements)
+    return {
+        "context": context,
+        "prompt_tokens": len(work.prompt_ids),
+        "measurements": [
+            {**asdict(m), "tokens_per_s": m.tokens_per_s, "vs_default": ms_ratio(m, default),
+             "speedup_vs_transformers": ms_ratio(baseline, m), "greedy": verdicts.get(m.system, {})}
+            for m in measurements
+        ],
+    }
 
 
-def quiet_libraries() -> None:
-    import warnings
+# --- the run -----------------------------------------------------------------------------------------------------
 
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+def measure_context(context: int | None, tokenizer: Any, args: argparse.Namespace, parser: argparse.ArgumentParser,
+                    variants: list[Variant], runners: list[Runner]) -> dict[str, Any]:
+    """Measure every system after a prompt of about `context` tokens; print its table and greedy verdicts."""
+    work = Workload(encode_prompt(tokenizer, args.prompt, context), args.new_tokens, args.repeats)
+    check_fits(work, variants, parser)
+    print(f"\ncontext {context if context else 'of the bare prompt'}: prompt {len(work.prompt_ids)} tokens, "
+          f"{work.new_tokens} new tokens", flush=True)
+    measurements = [runner(work) for runner in runners]
+    print(format_table(measurements))
+    for system, references in greedy_verdicts(measurements).items():
+        for reference, verdict in references.items():
+            print(f"greedy tokens, {system} vs {reference}: {verdict} ({work.new_tokens} tokens)")
+    return context_results(context, work, measurements)
 
 
-def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[ModelSource, Path, Workload]:
-    """Check the arguments, find or compile the artifact, and tokenize the prompt."""
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2: the decode rate is measured over tokens after the first")
     if args.repeats < 1 or args.threads < 1:
         parser.error("--repeats and --threads must be at least 1")
     source = resolve_source(args.model)
-    artifact = args.artifact or ensure_artifact(args.model, source, args.recompile)
-    manifest = read_manifest(artifact, verify=False)
-    if manifest["source"]["name"] != source.name:
-        print(f"warning: {artifact} was compiled from '{manifest['source']['name']}', not '{source.name}'",
-              file=sys.stderr)
-    work = Workload(encode_prompt(artifact, manifest, args.prompt, args.context), args.new_tokens, args.threads,
-                    args.repeats)
-    max_positions = manifest["spec"]["max_positions"]
-    if len(work.prompt_ids) + work.new_tokens > max_positions:
-        parser.error(f"{len(work.prompt_ids)} prompt + {work.new_tokens} new tokens exceed the model's context "
-                     f"of {max_positions}")
-    return source, artifact, work
-
-
-def greedy_verdicts(measurements: list[Measurement]) -> dict[str, str]:
-    """For every system but the baseline: whether its greedy tokens equal the baseline's."""
-    baseline = find_baseline(measurements)
-    verdicts = {}
-    for m in measurements:
-        if baseline and m is not baseline:
-            index = first_difference(m.token_ids, baseline.token_ids)
-            verdicts[m.system] = "identical" if index is None else f"DIFFERENT from token {index} on"
-    return verdicts
-
-
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    source, artifact, work = prepare(args, parser)
-    systems: list[System] = [partial(measure_fxllm, artifact)]
+    variants = prepare_variants(args, parser, source)
+    tokenizer = load_tokenizer(variants[0])
+    runners = [fxllm_runner(variant, args.threads) for variant in variants]
     if not args.skip_transformers:
-        systems.append(partial(measure_transformers, source))
+        runners.append(transformers_runner(source, args.threads))
     env = environment()
-    print(f"model {source.name} | prompt {len(work.prompt_ids)} tokens | {work.new_tokens} new tokens | "
-          f"{work.threads} threads | batch 1, greedy | median of {work.repeats} | {env['cpus']} CPUs "
-          f"({env['machine']}) | torch {env['torch']} | onnxruntime {env['onnxruntime']} | "
-          f"transformers {env['transformers']}", flush=True)
-    measurements = [system(work) for system in systems]
-
-    print()
-    print(format_table(measurements))
-    verdicts = greedy_verdicts(measurements)
-    for system, verdict in verdicts.items():
-        print(f"greedy tokens, {system} vs transformers: {verdict} ({work.new_tokens} tokens)")
+    print(f"model {source.name} | {args.new_tokens} new tokens | {args.threads} threads | batch 1, greedy | "
+          f"median of {args.repeats} | {env['cpus']} CPUs ({env['machine']}) | torch {env['torch']} | "
+          f"onnxruntime {env['onnxruntime']} | transformers {env['transformers']}", flush=True)
+    results = [measure_context(context, tokenizer, args, parser, variants, runners) for context in args.contexts]
     if args.json:
-        speedup = speedups(measurements)
-        results = [{**asdict(m), "tokens_per_s": m.tokens_per_s, "speedup_vs_transformers": speedup[m.system],
-                    "greedy_vs_transformers": verdicts.get(m.system)} for m in measurements]
-        config = {"model": args.model, "artifact": str(artifact), "prompt_tokens": len(work.prompt_ids),
-                  "new_tokens": work.new_tokens, "threads": work.threads, "repeats": work.repeats}
+        config = {"model": args.model, "artifacts": {v.system: str(v.artifact) for v in variants},
+                  "passes": {v.system: [p["name"] for p in v.manifest["passes"]] for v in variants},
+                  "contexts": args.contexts, "new_tokens": args.new_tokens, "threads": args.threads,
+                  "repeats": args.repeats}
         args.json.write_text(json.dumps({"config": config, "environment": env, "results": results}, indent=2) + "\n")
         print(f"wrote {args.json}")
 

@@ -13,7 +13,7 @@ from fxllm.compiler.pass_manager import PassRecord, run_pipeline
 from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
 from fxllm.compiler.progress import status
 from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source, source_architecture
-from fxllm.errors import PipelineError
+from fxllm.errors import PipelineError, UnsupportedModelError
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_DIR = "tokenizer"
@@ -24,6 +24,7 @@ class CompileReport:
     output: Path
     seconds: dict[str, float] = field(default_factory=dict)
     records: list[PassRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. why no TensorRT engine was built
 
     @property
     def total_seconds(self) -> float:
@@ -68,6 +69,8 @@ def compile_model(
     )
     with staging_directory(output) as stage:
         timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program, stage / MODEL_FILE, target)
+        if target == "tensorrt":
+            _audit_for_tensorrt(stage / MODEL_FILE)
         tokenizer.save_pretrained(stage / TOKENIZER_DIR)
         write_manifest(stage, {
             "fxllm_version": __version__,
@@ -87,4 +90,26 @@ def compile_model(
             },
             "compile_seconds": {k: round(v, 2) for k, v in report.seconds.items()},
         })
+    if target == "tensorrt":
+        _try_engine_build(report)
     return report
+
+
+def _audit_for_tensorrt(model_path: Path) -> None:
+    from fxllm.compiler.tensorrt_audit import audit_file, format_findings
+
+    findings = audit_file(model_path)
+    if findings:
+        raise UnsupportedModelError(format_findings(findings).replace("\n", "; "))
+
+
+def _try_engine_build(report: CompileReport) -> None:
+    """Build engine.plan when TensorRT and a GPU are here; otherwise keep the audited ONNX and say what to do."""
+    from fxllm.compiler.tensorrt_build import TensorRTUnavailable, build_engine
+
+    try:
+        start = time.perf_counter()
+        build_engine(report.output)
+        report.seconds["engine"] = time.perf_counter() - start
+    except TensorRTUnavailable as exc:
+        report.notes.append(f"no TensorRT engine built: {exc}; the ONNX passed the TensorRT audit")

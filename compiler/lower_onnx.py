@@ -16,7 +16,8 @@ from fxllm.compiler.program import Program
 from fxllm.errors import UnsupportedModelError
 
 OPSET = 23
-TARGETS = ("ort",)
+TARGETS = ("ort", "tensorrt")
+ORIGIN_KEY = "fxllm.origin"  # ONNX node metadata: the pass (or "capture") that produced the node; read by the audit
 
 
 def export_program(program: Program) -> torch.export.ExportedProgram:
@@ -51,6 +52,7 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
     path = Path(path)
     onnx_program.save(str(path), external_data=True)
     name_dimensions(path, program)
+    record_origins(path, exported.graph)
     check_onnx(path)
     return onnx.load(str(path), load_external_data=False)
 
@@ -71,6 +73,21 @@ def name_dimensions(path: Path, program: Program) -> None:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in renames:
                 dim.dim_param = renames[dim.dim_param]
+    onnx.save(model, str(path))
+
+
+def record_origins(path: Path, graph: torch.fx.Graph) -> None:
+    """Copy each fx node's origin pass onto the ONNX nodes lowered from it, matched through the exporter's
+    pkg.torch.onnx.fx_node metadata or its node_<fx name> naming; nodes the exporter's own fusions created
+    (RMSNormalization, RotaryEmbedding...) are marked "lowering"."""
+    from fxllm.compiler.pass_manager import origin_of
+
+    origins = {node.name: origin_of(node) for node in graph.nodes}
+    model = onnx.load(str(path), load_external_data=False)
+    for node in model.graph.node:
+        fx_node = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.fx_node"), "")
+        name = fx_node.split(" ", 1)[0].lstrip("%") or node.name.removeprefix("node_")
+        node.metadata_props.add(key=ORIGIN_KEY, value=origins.get(name) or "lowering")
     onnx.save(model, str(path))
 
 

@@ -32,9 +32,24 @@ class PassFailure(FxllmError):
     """A pass raised or produced a graph that does not lint; names the pass."""
 
 
+ORIGIN = "fxllm_origin"  # key in node.meta["custom"] (which torch.export carries over): the creating pass
+
+
+def origin_of(node: torch.fx.Node) -> str | None:
+    return node.meta.get("custom", {}).get(ORIGIN)
+
+
+def stamp_origin(program: Program, origin: str) -> None:
+    """Record which pass created each new node, so lowering and the TensorRT audit can name it."""
+    for node in program.graph.nodes:
+        custom = node.meta.setdefault("custom", {})
+        custom.setdefault(ORIGIN, origin)
+
+
 def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | None = None) -> tuple[Program, list]:
     sample = drift_sample(program.spec.vocab_size)
     lint(program)
+    stamp_origin(program, "capture")
     reference = run_sequence(program, sample)
     dumps = DumpWriter(dump_dir) if dump_dir else None
     if dumps:
@@ -54,6 +69,7 @@ def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | No
         except LintError as exc:
             raise PassFailure(f"pass '{step.name}' produced an invalid graph: {exc}") from exc
         seconds = time.perf_counter() - start
+        stamp_origin(program, step.name)
         program.facts |= step.info.provides
         program.applied.append(AppliedPass(step.name, step.options))
         with torch.no_grad():

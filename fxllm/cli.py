@@ -31,7 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set an option of a pass in the pipeline (repeatable); `fxllm passes` lists them")
     p.add_argument("--kv-heads", type=int, help="regroup attention to N KV heads (option kv_heads of the gqa pass)")
     p.add_argument("--dump-dir", help="write per-pass graphs, op histograms, timings and drift here")
-    p.add_argument("--target", default="ort", help="lowering target (default: ort)")
+    p.add_argument("--target", default="ort", choices=["ort", "tensorrt"],
+                   help="ort: ONNX Runtime (default); tensorrt: TensorRT-parseable ONNX, audited, plus engine.plan "
+                        "when TensorRT and a GPU are present")
+
+    p = commands.add_parser("build-engine", help="build engine.plan for a tensorrt-target artifact (needs a GPU)")
+    p.add_argument("artifact")
+    p.add_argument("--optimization-level", type=int, default=3, help="TensorRT builder optimization level 0-5")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=512, help="most new tokens in one step (prefill chunk)")
 
     p = commands.add_parser("generate", help="generate text with a compiled artifact")
     p.add_argument("artifact")
@@ -45,10 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt"])
 
     p = commands.add_parser("inspect", help="show an artifact's passes, I/O, sizes and KV-cache cost")
     p.add_argument("artifact")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--check", choices=["tensorrt"], help="audit the ONNX against TensorRT's parser support table; "
+                                                         "exit 1 on any finding")
+    p.add_argument("--trt-version", default="10.15", help="TensorRT version the audit targets (default 10.15)")
 
     p = commands.add_parser("eval", help="perplexity of a model or artifact on a text file")
     p.add_argument("model", help="artifact directory, Hugging Face directory, .gguf file, or 'smollm2-135m'")
@@ -84,6 +96,8 @@ def cmd_compile(args) -> None:
     for r in report.records:
         d = r.drift
         print(f"  {r.name:<18} {r.seconds:>7.2f} {d.max_abs_logit:>12.2e} {d.mean_kl:>9.1e} {d.greedy_agreement:>7.1%}")
+    for note in report.notes:
+        print(f"  note: {note}")
     phases = "  ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())
     print(f"  phases: {phases}")
     print(f"compile time: {wall:.1f} s")
@@ -94,7 +108,7 @@ def cmd_compile(args) -> None:
 def cmd_generate(args) -> None:
     import fxllm
 
-    engine = fxllm.load(args.artifact, threads=args.threads)
+    engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     if args.json or len(args.prompt) > 1:
@@ -112,11 +126,31 @@ def cmd_generate(args) -> None:
     print(f"[prefill {timings['prefill_ms']:.1f} ms, {timings['decode_ms_per_token']:.1f} ms/token]", file=sys.stderr)
 
 
-def cmd_inspect(args) -> None:
+def cmd_inspect(args) -> int:
     from fxllm.runtime.inspect import describe_artifact
 
     info = describe_artifact(args.artifact)
-    print(json.dumps(info, indent=2) if args.json else info["text"])
+    if not args.check:
+        print(json.dumps(info, indent=2) if args.json else info["text"])
+        return 0
+    from fxllm.compiler.tensorrt_audit import audit_file, format_findings
+    from fxllm.compiler.tensorrt_rules import parse_version
+
+    version = parse_version(args.trt_version)
+    findings = audit_file(args.artifact, version)
+    if args.json:
+        print(json.dumps({"check": "tensorrt", "trt_version": args.trt_version,
+                          "findings": [f.to_dict() for f in findings]}, indent=2))
+    else:
+        print(format_findings(findings, version))
+    return 1 if findings else 0
+
+
+def cmd_build_engine(args) -> None:
+    from fxllm.compiler.tensorrt_build import build_engine
+
+    plan = build_engine(args.artifact, args.optimization_level, args.max_batch, args.max_tokens)
+    print(f"wrote {plan}")
 
 
 def cmd_eval(args) -> None:
@@ -142,7 +176,7 @@ def cmd_passes(args) -> None:
 
 
 COMMANDS = {"compile": cmd_compile, "generate": cmd_generate, "inspect": cmd_inspect, "eval": cmd_eval,
-            "passes": cmd_passes}
+            "passes": cmd_passes, "build-engine": cmd_build_engine}
 
 
 def _quiet_libraries() -> None:
@@ -161,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         _quiet_libraries()
     try:
-        COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
     except FxllmError as exc:
         if args.verbose:
             traceback.print_exc()
@@ -178,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"fxllm: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -62,19 +62,27 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | os.PathLike, threads: int | None = None, providers: list[str] | None = None,
-             verify: bool = True) -> Engine:
+             verify: bool = True, backend: str = "onnxruntime") -> Engine:
+        """backend: "onnxruntime" (any artifact, any machine) or "tensorrt" (an artifact with engine.plan)."""
         directory = Path(path)
         manifest = read_manifest(directory, verify=verify)
         if "kv-cache" not in manifest.get("facts", []):
             raise ArtifactError(f"artifact '{directory}' was compiled without the kv-cache pass; recompile it")
-        backend = OrtBackend(directory / manifest["model_file"], threads=threads, providers=providers)
+        if backend == "onnxruntime":
+            runner = OrtBackend(directory / manifest["model_file"], threads=threads, providers=providers)
+        elif backend == "tensorrt":
+            from fxllm.runtime.backend_trt import TrtBackend
+
+            runner = TrtBackend(directory, manifest)
+        else:
+            raise ArtifactError(f"unknown backend '{backend}' (available: onnxruntime, tensorrt)")
         from transformers import AutoTokenizer
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory / manifest["tokenizer_dir"])
         except Exception as exc:
             raise ArtifactError(f"cannot load the artifact's tokenizer: {exc}") from exc
-        return cls(directory, manifest, backend, tokenizer)
+        return cls(directory, manifest, runner, tokenizer)
 
     @property
     def max_context(self) -> int:

@@ -1,0 +1,97 @@
+"""TensorRT compatibility audit of an ONNX model, runnable anywhere: every node that breaks the support table in
+tensorrt_rules.py, with the rule it breaks and the fxllm pass that produced it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import onnx
+
+from fxllm.compiler.tensorrt_rules import (
+    MIN_OPSET,
+    NOT_PARSED,
+    RESTRICTIONS,
+    SINCE,
+    Version,
+    max_opset,
+)
+
+DEFAULT_TRT_VERSION: Version = (10, 15)
+ORIGIN_KEY = "fxllm.origin"
+
+
+@dataclass(frozen=True)
+class Finding:
+    node: str
+    op: str
+    rule: str
+    origin: str  # the fxllm pass (or "capture") that produced the node, "?" when unknown
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.node} ({self.op}, from {self.origin}): {self.rule}"
+
+
+def _constants(graph: onnx.GraphProto) -> set[str]:
+    names = {init.name for init in graph.initializer}
+    names |= {out for node in graph.node if node.op_type == "Constant" for out in node.output}
+    return names
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    values = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
+    return {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+
+
+def audit_model(model: onnx.ModelProto, trt_version: Version = DEFAULT_TRT_VERSION) -> list[Finding]:
+    findings: list[Finding] = []
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if not MIN_OPSET <= opset <= max_opset(trt_version):
+        findings.append(Finding("<model>", "opset", f"opset {opset} is outside the {MIN_OPSET}-"
+                                f"{max_opset(trt_version)} range TensorRT {trt_version[0]}.{trt_version[1]} parses",
+                                "lowering"))
+    constants = _constants(model.graph)
+    ranks = _ranks(model)
+    for node in model.graph.node:
+        origin = next((p.value for p in node.metadata_props if p.key == ORIGIN_KEY), "?")
+        name = node.name or f"<{node.op_type} → {node.output[0]}>"
+        for rule in _node_rules(node, constants, ranks, trt_version):
+            findings.append(Finding(name, node.op_type if not node.domain else f"{node.domain}.{node.op_type}",
+                                    rule, origin))
+    return findings
+
+
+def _node_rules(node: onnx.NodeProto, constants: set[str], ranks: dict[str, int], version: Version) -> list[str]:
+    if node.domain not in ("", "ai.onnx"):
+        return [f"custom-domain op '{node.domain}.{node.op_type}' has no TensorRT importer (ONNX Runtime only)"]
+    if node.op_type in NOT_PARSED:
+        return [NOT_PARSED[node.op_type]]
+    rules = []
+    if node.op_type in SINCE and version < SINCE[node.op_type][0]:
+        rules.append(f"{SINCE[node.op_type][1]}; targeting {version[0]}.{version[1]}")
+    if node.op_type in RESTRICTIONS:
+        rules += [v.rule for v in RESTRICTIONS[node.op_type](node, constants, ranks)]
+    return rules
+
+
+def audit_file(path: str | os.PathLike, trt_version: Version = DEFAULT_TRT_VERSION) -> list[Finding]:
+    """Audit an .onnx file or an artifact directory (its model file), without loading weights."""
+    path = Path(path)
+    if path.is_dir():
+        from fxllm.runtime.artifact import read_manifest
+
+        path = path / read_manifest(path, verify=False)["model_file"]
+    return audit_model(onnx.load(str(path), load_external_data=False), trt_version)
+
+
+def format_findings(findings: list[Finding], trt_version: Version = DEFAULT_TRT_VERSION) -> str:
+    target = f"TensorRT {trt_version[0]}.{trt_version[1]}"
+    if not findings:
+        return f"tensorrt audit ({target}): no findings"
+    lines = [f"tensorrt audit ({target}): {len(findings)} finding(s)"]
+    lines += [f"  {finding}" for finding in findings]
+    return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""Build a TensorRT engine (engine.plan) for a `tensorrt`-target artifact, on a machine with TensorRT and a GPU.
+
+API used (TensorRT 10.x / 11.x Python API): trt.Builder, Builder.create_network (flag 0: explicit batch is the only
+mode since 10.0; 11.x networks are strongly typed by default), trt.OnnxParser.parse_from_file, create_builder_config,
+IBuilderConfig.builder_optimization_level, create_optimization_profile / IOptimizationProfile.set_shape,
+create_timing_cache / set_timing_cache / get_timing_cache().serialize(), IProgressMonitor (10.0+), and
+Builder.build_serialized_network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from fxllm.compiler.progress import status
+from fxllm.compiler.tensorrt_audit import audit_file, format_findings
+from fxllm.errors import FxllmError
+from fxllm.runtime.artifact import MANIFEST, read_manifest, write_manifest
+
+PLAN_FILE = "engine.plan"
+TIMING_CACHE = Path(os.environ.get("FXLLM_CACHE", Path.home() / ".cache" / "fxllm")) / "tensorrt-timing.cache"
+INSTALL_HINT = ("install TensorRT 10.15+ and a CUDA build of torch on a machine with an NVIDIA GPU "
+                "(pip install 'fxllm[tensorrt]'), then run `fxllm build-engine ARTIFACT`")
+
+
+class TensorRTUnavailable(FxllmError):
+    """TensorRT or a CUDA GPU is missing; the ONNX and its audit are still usable."""
+
+
+def tensorrt_module():
+    try:
+        import tensorrt as trt  # noqa: PLC0415 - optional dependency
+    except ImportError as exc:
+        raise TensorRTUnavailable(f"TensorRT is not installed: {INSTALL_HINT}") from exc
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TensorRTUnavailable(f"no CUDA GPU is visible: {INSTALL_HINT}")
+    return trt
+
+
+def profile_shapes(manifest: dict[str, Any], max_batch: int, max_tokens: int) -> dict[str, tuple[tuple, ...]]:
+    """(min, opt, max) shape per input from the artifact's symbolic dims: opt is a single-token decode step."""
+    context = int(manifest["spec"]["max_positions"])
+    ranges = {"batch": (1, 1, max_batch), "tokens": (1, 1, max_tokens), "past": (0, context // 2, context - 1),
+              "total": (1, context // 2 + 1, context)}
+    shapes = {}
+    for sig in manifest["io"]["inputs"]:
+        shapes[sig["name"]] = tuple(
+            tuple(dim if isinstance(dim, int) else ranges[dim][i] for dim in sig["dims"]) for i in range(3)
+        )
+    return shapes
+
+
+def build_engine(artifact: str | os.PathLike, optimization_level: int = 3, max_batch: int = 8,
+                 max_tokens: int = 512) -> Path:
+    """Parse the artifact's ONNX, build with one optimization profile, write engine.plan and record the TensorRT
+    version and GPU compute capability in the manifest."""
+    directory = Path(artifact)
+    manifest = read_manifest(directory)
+    if manifest.get("target") != "tensorrt":
+        raise FxllmError(f"'{directory}' was compiled for target '{manifest.get('target')}'; recompile it with "
+                         "--target tensorrt")
+    findings = audit_file(directory)
+    if findings:
+        raise FxllmError(format_findings(findings).replace("\n", "; "))
+    trt = tensorrt_module()
+    import torch
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(directory / manifest["model_file"])):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise FxllmError(f"TensorRT's ONNX parser rejected the model: {errors}")
+    config = builder.create_builder_config()
+    config.builder_optimization_level = optimization_level
+    profile = builder.create_optimization_profile()
+    for name, (low, opt, high) in profile_shapes(manifest, max_batch, max_tokens).items():
+        profile.set_shape(name, low, opt, high)
+    config.add_optimization_profile(profile)
+    cache = config.create_timing_cache(TIMING_CACHE.read_bytes() if TIMING_CACHE.exists() else b"")
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    config.progress_monitor = _progress_monitor(trt)
+    status(f"building TensorRT {trt.__version__} engine (optimization level {optimization_level})")
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise FxllmError("TensorRT failed to build the engine (see the TensorRT log above)")
+    TIMING_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    TIMING_CACHE.write_bytes(bytes(config.get_timing_cache().serialize()))
+    (directory / PLAN_FILE).write_bytes(bytes(plan))
+    major, minor = torch.cuda.get_device_capability()
+    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest.pop("files", None)
+    manifest["tensorrt"] = {"version": trt.__version__, "compute_capability": f"{major}.{minor}",
+                            "gpu": torch.cuda.get_device_name(), "plan_file": PLAN_FILE,
+                            "optimization_level": optimization_level,
+                            "profile": {k: [list(s) for s in v] for k, v in
+                                        profile_shapes(manifest, max_batch, max_tokens).items()}}
+    write_manifest(directory, {k: v for k, v in manifest.items() if k != "format_version"})
+    return directory / PLAN_FILE
+
+
+def _progress_monitor(trt):
+    """A trt.IProgressMonitor that prints the builder's phases (TensorRT 10.0+)."""
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            status(f"  tensorrt: {phase_name} ({num_steps} steps)")
+
+        def step_complete(self, phase_name, step):
+            return True  # returning False would cancel the build
+
+        def phase_finish(self, phase_name):
+            pass
+
+    return Monitor()
