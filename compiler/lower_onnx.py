@@ -53,6 +53,7 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
     onnx_program.save(str(path), external_data=True)
     name_dimensions(path, program)
     record_origins(path, exported.graph)
+    pack_int4_weights(path)
     check_onnx(path)
     return onnx.load(str(path), load_external_data=False)
 
@@ -89,6 +90,35 @@ def record_origins(path: Path, graph: torch.fx.Graph) -> None:
         name = fx_node.split(" ", 1)[0].lstrip("%") or node.name.removeprefix("node_")
         node.metadata_props.add(key=ORIGIN_KEY, value=origins.get(name) or "lowering")
     onnx.save(model, str(path))
+
+
+def pack_int4_weights(path: Path) -> None:
+    """Blocked DequantizeLinear weights are exported as INT8 initializers holding -8..7 (torch has no int4 buffers):
+    store them as packed INT4, two per byte, which is what TensorRT and ONNX Runtime's MatMulNBits expect."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    header = onnx.load(str(path), load_external_data=False)
+    blocked = {n.input[0] for n in header.graph.node if n.op_type == "DequantizeLinear"
+               and any(a.name == "block_size" and a.i > 0 for a in n.attribute)}
+    if not blocked:
+        return
+    model = onnx.load(str(path))  # with weights
+    data_file = path.with_name(path.name + ".data")
+    for index, tensor in enumerate(model.graph.initializer):
+        if tensor.name in blocked and tensor.data_type == TensorProto.INT8:
+            values = numpy_helper.to_array(tensor)
+            if values.min() < -8 or values.max() > 7:
+                raise UnsupportedModelError(f"initializer '{tensor.name}' feeds a blocked DequantizeLinear but holds "
+                                            "values outside int4")
+            packed = helper.make_tensor(tensor.name, TensorProto.INT4, values.shape, values.astype(np.int8).ravel())
+            model.graph.initializer[index].CopyFrom(packed)
+    stale = [v for v in model.graph.value_info if v.name in blocked]  # typed INT8 by the exporter
+    for value in stale:
+        model.graph.value_info.remove(value)
+    data_file.unlink()
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_file.name, size_threshold=1024)
 
 
 def check_onnx(path: Path) -> None:

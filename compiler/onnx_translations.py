@@ -40,8 +40,21 @@ def masked_attention(q, k, v, mask, scale: float):
     return out
 
 
+def dequant_linear(x, qweight, scales, bias, block_size: int):
+    """fxllm::dequant_linear → DequantizeLinear (opset 21+: per output column, or blocked along the input axis,
+    no zero point) → MatMul (+ Add): the weight-only pattern TensorRT builds quantized GEMMs from and ONNX Runtime
+    fuses into MatMulNBits. INT4 weights are packed by lowering (see lower_onnx.pack_int4_weights)."""
+    if block_size == 0:
+        weight = op.DequantizeLinear(qweight, scales, axis=1)
+    else:
+        weight = op.DequantizeLinear(qweight, scales, axis=0, block_size=block_size)
+    out = op.MatMul(x, weight)
+    return op.Add(out, bias) if bias is not None else out
+
+
 TRANSLATIONS = {
     torch.ops.fxllm.attention.default: attention,
     torch.ops.fxllm.causal_mask.default: causal_mask,
     torch.ops.fxllm.masked_attention.default: masked_attention,
+    torch.ops.fxllm.dequant_linear.default: dequant_linear,
 }

@@ -53,4 +53,27 @@ def _masked_attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale:
     return torch.empty_like(q)
 
 
+def dequantize(qweight: Tensor, scales: Tensor, block_size: int) -> Tensor:
+    """W [in, out] from integer qweight [in, out]: per output column (block_size 0, scales [out]) or in blocks of
+    block_size rows along the input dim (scales [in / block_size, out])."""
+    if block_size == 0:
+        return qweight.to(scales.dtype) * scales
+    rows, cols = qweight.shape
+    blocks = qweight.to(scales.dtype).reshape(rows // block_size, block_size, cols) * scales[:, None, :]
+    return blocks.reshape(rows, cols)
+
+
+@torch.library.custom_op("fxllm::dequant_linear", mutates_args=())
+def dequant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, block_size: int) -> Tensor:
+    """x @ dequantize(qweight, scales) (+ bias): a weight-only quantized linear layer; qweight [in, out] holds int8
+    values (int4 values when block_size > 0, packed to INT4 in ONNX)."""
+    out = x @ dequantize(qweight, scales, block_size)
+    return out + bias if bias is not None else out
+
+
+@dequant_linear.register_fake
+def _dequant_linear_fake(x, qweight, scales, bias, block_size):
+    return x.new_empty((*x.shape[:-1], qweight.shape[1]))
+
+
 ATTENTION_OPS = (torch.ops.fxllm.attention.default, torch.ops.fxllm.masked_attention.default)

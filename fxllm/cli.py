@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pass-option", action="append", default=[], metavar="PASS.KEY=VALUE",
                    help="set an option of a pass in the pipeline (repeatable); `fxllm passes` lists them")
     p.add_argument("--kv-heads", type=int, help="regroup attention to N KV heads (option kv_heads of the gqa pass)")
+    p.add_argument("--quant", help="weight-only quantization: int8 | int4-rtn (adds the quantize pass before kv-cache "
+                                   "when --passes is not given)")
+    p.add_argument("--group-size", type=int, help="int4 block size along the input dim (default 128)")
     p.add_argument("--dump-dir", help="write per-pass graphs, op histograms, timings and drift here")
     p.add_argument("--target", default="ort", choices=["ort", "tensorrt"],
                    help="ort: ONNX Runtime (default); tensorrt: TensorRT-parseable ONNX, audited, plus engine.plan "
@@ -87,8 +90,16 @@ def cmd_compile(args) -> None:
         options.setdefault(name, {})[option.replace("-", "_")] = value
     if args.kv_heads is not None:
         options.setdefault("gqa", {})["kv_heads"] = args.kv_heads
+    passes = args.passes
+    if args.quant or args.group_size:
+        options.setdefault("quantize", {}).update(
+            {k: v for k, v in (("method", args.quant), ("group_size", args.group_size)) if v is not None})
+        if passes is None:
+            from fxllm.compiler.pipeline import DEFAULT_PIPELINE
+
+            passes = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + ",quantize,kv-cache"
     start = time.perf_counter()
-    report = compile_model(args.model, args.output, passes=args.passes, pass_options=options,
+    report = compile_model(args.model, args.output, passes=passes, pass_options=options,
                            dump_dir=args.dump_dir, target=args.target)
     wall = time.perf_counter() - start
     print(f"compiled {args.model} → {report.output}")

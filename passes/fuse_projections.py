@@ -47,7 +47,7 @@ def _remove_attribute(program: Program, target: str) -> None:
 
 
 @register_pass("fuse-projections", requires=("captured",), provides=("fused-projections",),
-               forbids=("fused-projections",))
+               forbids=("fused-projections", "quantized"))
 def fuse_projections(program: Program) -> Program:
     """Merge linear layers that share an input into one linear followed by a split."""
     graph = program.graph

@@ -43,6 +43,9 @@ def staging_directory(output: str | os.PathLike, overwrite: bool = True) -> Iter
     staging.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; an artifact is as readable as any new directory
     try:
         yield staging
+        for file in staging.rglob("*"):  # some writers (onnx external data) create files 0600
+            if file.is_file():
+                file.chmod(0o666 & ~_umask())
         if output.exists():
             # Move the old artifact aside first, so at every instant `output` is either old or new, never half.
             retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
