@@ -1,7 +1,8 @@
 """Capture: a transformers causal LM → torch.export'ed GraphModule (input_ids, position_ids → logits) + ModelSpec.
 
 Attention is routed through fxllm::attention (registered as a transformers attention implementation), so the graph
-holds one attention node per layer with K/V at the model's KV heads and no mask construction; passes rewrite those.
+holds one attention node per layer and no mask construction. Like transformers' default path, K/V are computed at
+the model's KV heads and repeated to the query heads in front of it; the `gqa` pass folds that repeat away.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fxllm.runtime.artifact import staging_directory, write_manifest
+from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
 from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
 from fxllm.compiler.progress import status
@@ -51,6 +51,7 @@ def compile_model(
         raise PipelineError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     source = resolve_source(model)
     check_supported(source_architecture(source))
+    check_output(output)
     report = CompileReport(Path(output))
 
     def timed(phase: str, message: str, function, *args, **kwargs):

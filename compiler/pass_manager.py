@@ -68,12 +68,17 @@ def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | No
             raise
         except LintError as exc:
             raise PassFailure(f"pass '{step.name}' produced an invalid graph: {exc}") from exc
+        except Exception as exc:  # a bug in the pass: name it
+            raise PassFailure(f"pass '{step.name}' failed: {type(exc).__name__}: {exc}") from exc
         seconds = time.perf_counter() - start
         stamp_origin(program, step.name)
         program.facts |= step.info.provides
         program.applied.append(AppliedPass(step.name, step.options))
         with torch.no_grad():
             drift = measure_drift(reference, program, sample)
+        if step.info.exact(step.options) and drift.greedy_agreement < 1.0:
+            raise PassFailure(f"pass '{step.name}' should be exact but changed {1 - drift.greedy_agreement:.1%} of "
+                              f"greedy tokens on the drift sample (max |Δlogit| {drift.max_abs_logit:.2e})")
         record = PassRecord(index, step.name, step.options, seconds, nodes_before, len(program.graph.nodes), drift)
         records.append(record)
         if dumps:

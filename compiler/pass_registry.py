@@ -23,6 +23,7 @@ class PassInfo:
     provides: frozenset[str]
     forbids: frozenset[str]
     summary: str
+    exact: Callable[[dict[str, Any]], bool]  # with these options, must the pass keep greedy tokens identical?
     option_types: dict[str, type] = field(default_factory=dict)
     option_defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -34,10 +35,13 @@ _REGISTRY: dict[str, PassInfo] = {}
 
 
 def register_pass(
-    name: str, requires: tuple[str, ...] = (), provides: tuple[str, ...] = (), forbids: tuple[str, ...] = ()
+    name: str, requires: tuple[str, ...] = (), provides: tuple[str, ...] = (), forbids: tuple[str, ...] = (),
+    exact: bool | Callable[[dict[str, Any]], bool] = True,
 ) -> Callable[[PassFunction], PassFunction]:
     """Register a pass. Its keyword-only parameters are its options; its docstring's first line is its summary.
-    `forbids` names facts that must not hold yet (e.g. a pass that has to run before the KV cache is inserted)."""
+    `forbids` names facts that must not hold yet (e.g. a pass that has to run before the KV cache is inserted).
+    `exact` says the rewrite preserves the math (the pass manager then fails the compile if greedy tokens change);
+    pass a function of the options for passes that are exact only in some modes."""
 
     def decorate(function: PassFunction) -> PassFunction:
         signature = inspect.signature(function)
@@ -49,6 +53,7 @@ def register_pass(
             provides=frozenset(provides),
             forbids=frozenset(forbids),
             summary=(inspect.getdoc(function) or "").splitlines()[0] if function.__doc__ else "",
+            exact=exact if callable(exact) else (lambda options, value=exact: value),
             option_types={k: _option_type(p) for k, p in options.items()},
             option_defaults={k: p.default for k, p in options.items() if p.default is not inspect.Parameter.empty},
         )

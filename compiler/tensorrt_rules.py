@@ -101,8 +101,17 @@ RESTRICTIONS: dict[str, Callable] = {
 
 
 def parse_version(text: str) -> Version:
-    major, minor, *_ = (int(part) for part in text.split("."))
-    return major, minor
+    """'10.15', '10.15.1' or '11' → (major, minor); versions before 10.0 are not supported targets."""
+    from fxllm.errors import FxllmError
+
+    try:
+        parts = [int(part) for part in text.split(".")]
+    except ValueError:
+        raise FxllmError(f"TensorRT version '{text}' is not of the form MAJOR[.MINOR]") from None
+    version = (parts[0], parts[1] if len(parts) > 1 else 0)
+    if version < (10, 0):
+        raise FxllmError(f"TensorRT {text} is not supported: fxllm targets TensorRT 10.0 and newer")
+    return version
 
 
 def max_opset(version: Version) -> int:

@@ -11,13 +11,6 @@ import traceback
 from fxllm.errors import FxllmError
 
 
-def _size(text: str) -> int:
-    units = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
-    text = text.strip().upper()
-    number = text.rstrip("KMGB")
-    return int(float(number) * units[text[len(number):]])
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxllm", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and library warnings")
@@ -91,6 +84,8 @@ def cmd_compile(args) -> None:
     if args.kv_heads is not None:
         options.setdefault("gqa", {})["kv_heads"] = args.kv_heads
     passes = args.passes
+    if args.group_size is not None and args.quant != "int4-rtn":
+        raise PipelineError("--group-size applies to --quant int4-rtn only (int8 is per output channel)")
     if args.quant or args.group_size:
         options.setdefault("quantize", {}).update(
             {k: v for k, v in (("method", args.quant), ("group_size", args.group_size)) if v is not None})

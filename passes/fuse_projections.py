@@ -26,6 +26,10 @@ def _constant(program: Program, node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _bias(node: torch.fx.Node):
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+
+
 def _fusable_groups(program: Program) -> list[list[torch.fx.Node]]:
     """Linear nodes grouped by (input, bias or not), with constant weights of one dtype and input width."""
     groups: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
@@ -33,7 +37,7 @@ def _fusable_groups(program: Program) -> list[list[torch.fx.Node]]:
         if node.op != "call_function" or node.target is not aten.linear.default:
             continue
         weight = _constant(program, node.args[1])
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        bias = _bias(node)
         if weight is None or (bias is not None and _constant(program, bias) is None):
             continue
         groups[(node.args[0], bias is not None, weight.dtype, weight.shape[1])].append(node)
@@ -53,11 +57,11 @@ def fuse_projections(program: Program) -> Program:
     graph = program.graph
     for index, nodes in enumerate(_fusable_groups(program)):
         weights = [_constant(program, n.args[1]) for n in nodes]
-        has_bias = len(nodes[0].args) > 2 and nodes[0].args[2] is not None
+        has_bias = _bias(nodes[0]) is not None
         name = f"fused_projection_{index}"
         program.graph_module.register_buffer(f"{name}_weight", torch.cat(weights, 0).detach())
         if has_bias:
-            biases = [_constant(program, n.args[2]) for n in nodes]
+            biases = [_constant(program, _bias(n)) for n in nodes]
             program.graph_module.register_buffer(f"{name}_bias", torch.cat(biases, 0).detach())
         first = nodes[0]
         with graph.inserting_before(first):
@@ -70,7 +74,7 @@ def fuse_projections(program: Program) -> Program:
             parts = [graph.call_function(operator.getitem, (split, i)) for i in range(len(nodes))]
         for node, part in zip(nodes, parts):
             node.replace_all_uses_with(part)
-            constants = [a for a in node.args[1:] if isinstance(a, torch.fx.Node)]
+            constants = [a for a in (node.args[1], _bias(node)) if isinstance(a, torch.fx.Node)]
             graph.erase_node(node)
             for constant in constants:
                 if not constant.users:

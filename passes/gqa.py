@@ -21,7 +21,8 @@ REPEATS = {torch.ops.aten.repeat.default, torch.ops.aten.tile.default, torch.ops
            torch.ops.aten.repeat_interleave.self_int}
 
 
-@register_pass("gqa", requires=("fxllm-attention",), provides=("native-gqa",), forbids=("kv-cache", "native-gqa", "quantized"))
+@register_pass("gqa", requires=("fxllm-attention",), provides=("native-gqa",),
+               forbids=("kv-cache", "native-gqa", "quantized"), exact=lambda options: options.get("kv_heads") is None)
 def gqa(program: Program, *, kv_heads: int | None = None) -> Program:
     """Fold K/V head repeats into native grouped-query attention; with kv_heads=N, regroup to N KV heads."""
     attention_nodes = [n for n in program.graph.nodes if n.target is fxllm_ops.attention.default]

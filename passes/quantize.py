@@ -43,7 +43,8 @@ def _logits_linear(program: Program) -> torch.fx.Node | None:
     return logits if getattr(logits, "target", None) is aten.linear.default else None
 
 
-@register_pass("quantize", requires=("captured",), provides=("quantized",), forbids=("quantized", "kv-cache"))
+@register_pass("quantize", requires=("captured",), provides=("quantized",), forbids=("quantized", "kv-cache"),
+               exact=False)
 def quantize(program: Program, *, method: str = "int8", group_size: int = 128, lm_head: bool = False) -> Program:
     """Weight-only quantization of linear layers (int8 per channel, int4 RTN blockwise)."""
     if method in PLANNED:

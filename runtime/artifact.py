@@ -20,6 +20,7 @@ from fxllm.errors import ArtifactError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+REQUIRED_KEYS = ("fxllm_version", "model_file", "tokenizer_dir", "spec", "io", "facts", "files")
 
 
 def sha256_file(path: Path) -> str:
@@ -30,14 +31,20 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-@contextmanager
-def staging_directory(output: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary directory next to `output`; on success it replaces `output`, on failure it vanishes."""
+def check_output(output: str | os.PathLike) -> Path:
+    """Refuse an output path we must not replace, before any expensive work."""
     output = Path(output).resolve()
-    if output.exists() and not overwrite:
-        raise ArtifactError(f"'{output}' exists; pass --overwrite to replace it")
+    if output.exists() and not output.is_dir():
+        raise ArtifactError(f"output '{output}' is a file, not an artifact directory")
     if output.exists() and not (output / MANIFEST).exists() and any(output.iterdir()):
         raise ArtifactError(f"'{output}' exists and is not an fxllm artifact; refusing to replace it")
+    return output
+
+
+@contextmanager
+def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory next to `output`; on success it replaces `output`, on failure it vanishes."""
+    output = check_output(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     staging.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; an artifact is as readable as any new directory
@@ -66,13 +73,15 @@ def _umask() -> int:
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith((MANIFEST, f".{MANIFEST}")))
     manifest = {
         "format_version": FORMAT_VERSION,
         **manifest,
         "files": {str(p.relative_to(directory)): {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
     }
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    temporary = directory / f".{MANIFEST}.tmp"
+    temporary.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(temporary, directory / MANIFEST)  # a crash mid-write never leaves a half manifest
 
 
 def read_manifest(directory: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
@@ -87,14 +96,25 @@ def read_manifest(directory: str | os.PathLike, verify: bool = True) -> dict[str
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ArtifactError(f"{path} is corrupt: {exc}") from exc
-    version = manifest.get("format_version")
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if not isinstance(version, int):
         raise ArtifactError(f"{path} has no format_version; it was not written by fxllm")
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path} is corrupt: expected a JSON object")
     if version > FORMAT_VERSION:
         raise ArtifactError(
             f"artifact format version {version} is newer than this fxllm supports ({FORMAT_VERSION}); "
             f"upgrade fxllm (it was written by fxllm {manifest.get('fxllm_version', '?')})"
         )
+    missing = [key for key in REQUIRED_KEYS if key not in manifest]
+    if missing:
+        raise ArtifactError(f"{path} is incomplete (missing {', '.join(missing)}); recompile the artifact")
+    required_files = {manifest["model_file"]}
+    if (directory / f"{manifest['model_file']}.data").exists():
+        required_files.add(f"{manifest['model_file']}.data")
+    unlisted = required_files - set(manifest["files"])
+    if unlisted:
+        raise ArtifactError(f"{path} does not checksum {', '.join(sorted(unlisted))}; recompile the artifact")
     if verify:
         verify_files(directory, manifest)
     return manifest

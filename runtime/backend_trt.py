@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fxllm.errors import ArtifactError
+from fxllm.errors import ArtifactError, GenerationError
 
 INSTALL_HINT = "install TensorRT 10.15+ with a CUDA build of torch (pip install 'fxllm[tensorrt]')"
 
@@ -21,8 +21,8 @@ def check_plan_compatibility(recorded: dict[str, Any] | None, installed_version:
                              compute_capability: str) -> None:
     """An engine only runs on the TensorRT version and GPU architecture it was built for."""
     if not recorded:
-        raise ArtifactError("this artifact has no TensorRT engine: run `fxllm build-engine ARTIFACT` on the GPU "
-                            "machine first")
+        raise ArtifactError("this artifact has no TensorRT engine: compile it with --target tensorrt, then run "
+                            "`fxllm build-engine ARTIFACT` on the GPU machine")
     if recorded["version"] != installed_version:
         raise ArtifactError(f"engine.plan was built with TensorRT {recorded['version']}, this machine has "
                             f"{installed_version}: rebuild it here with `fxllm build-engine ARTIFACT`")
@@ -58,26 +58,40 @@ class TrtBackend:
         self.input_names = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.output_names = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
         self.dtypes = {n: _torch_dtype(torch, trt, self.engine.get_tensor_dtype(n)) for n in names}
+        self.profile = {name: tuple(tuple(s) for s in shapes) for name, shapes in recorded["profile"].items()}
 
     @property
     def providers(self) -> list[str]:
         return ["TensorRT"]
 
+    def check_shapes(self, feeds: dict[str, np.ndarray]) -> None:
+        """Shapes outside the engine's optimization profile fail inside TensorRT; say which limit, and how to
+        raise it, instead."""
+        for name, (low, _, high) in self.profile.items():
+            shape = feeds[name].shape
+            if any(not lo <= dim <= hi for dim, lo, hi in zip(shape, low, high)):
+                raise GenerationError(f"input '{name}' has shape {list(shape)}, outside the engine's profile "
+                                      f"{list(low)}..{list(high)}; rebuild with `fxllm build-engine` and larger "
+                                      "--max-batch/--max-tokens, or send smaller batches")
+
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self.torch
+        self.check_shapes(feeds)
         keep = []  # device tensors must outlive the asynchronous execution
-        for name in self.input_names:
-            tensor = torch.from_numpy(np.ascontiguousarray(feeds[name])).to("cuda", self.dtypes[name])
-            keep.append(tensor)
-            self.context.set_input_shape(name, tuple(tensor.shape))
-            self.context.set_tensor_address(name, tensor.data_ptr())
-        outputs = {}
-        for name in self.output_names:
-            shape = tuple(self.context.get_tensor_shape(name))
-            outputs[name] = torch.empty(shape, dtype=self.dtypes[name], device="cuda")
-            self.context.set_tensor_address(name, outputs[name].data_ptr())
-        if not self.context.execute_async_v3(self.stream.cuda_stream):
-            raise RuntimeError("TensorRT execution failed")
+        with torch.cuda.stream(self.stream):  # copies, allocations and execution ordered on one stream
+            for name in self.input_names:
+                tensor = torch.from_numpy(np.ascontiguousarray(feeds[name])).to("cuda", self.dtypes[name])
+                keep.append(tensor)
+                if not self.context.set_input_shape(name, tuple(tensor.shape)):
+                    raise GenerationError(f"TensorRT rejected shape {list(tensor.shape)} for input '{name}'")
+                self.context.set_tensor_address(name, tensor.data_ptr())
+            outputs = {}
+            for name in self.output_names:
+                shape = tuple(self.context.get_tensor_shape(name))
+                outputs[name] = torch.empty(shape, dtype=self.dtypes[name], device="cuda")
+                self.context.set_tensor_address(name, outputs[name].data_ptr())
+            if not self.context.execute_async_v3(self.stream.cuda_stream):
+                raise RuntimeError("TensorRT execution failed")
         self.stream.synchronize()
         return {name: tensor.cpu().numpy() for name, tensor in outputs.items()}
 

@@ -4,25 +4,38 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
+    """Streams only text that can no longer change: an open multi-byte character, or a tail that could still grow
+    into a stop string, is held back until it resolves (and flushed by finish())."""
+
     def __init__(self, tokenizer, stop: list[str] | None = None):
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.text = ""
+        self.text = ""  # the generated text so far, cut before a stop string
+        self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
 
     def add(self, token_id: int) -> str:
-        """Append a token; return the newly finished text (may be empty while a multi-byte character is open)."""
+        """Append a token; return the text that became final."""
         self.token_ids.append(token_id)
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
         for stop in self.stop:
-            # Search from just before the old end: a stop string may straddle two tokens.
-            found = text.find(stop, max(0, len(self.text) - len(stop)))
+            found = text.find(stop, max(0, len(self.text) - len(stop)))  # a stop may straddle two tokens
             if found != -1:
                 text = text[:found]
                 self.stopped = True
-        delta = text[len(self.text):] if text.startswith(self.text) else ""
         self.text = text
+        if self.stopped:
+            return self.finish()
+        stable = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
+        return self._emit_until(max(self.emitted, stable - self.holdback))
+
+    def finish(self) -> str:
+        """The rest of the text, including any held-back tail."""
+        return self._emit_until(len(self.text))
+
+    def _emit_until(self, end: int) -> str:
+        delta = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
         return delta

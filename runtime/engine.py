@@ -132,7 +132,8 @@ class Engine:
 
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Logits [T,V] of every position of one sequence, in a single prefill (used by `fxllm eval`)."""
-        self._check_prompt(token_ids)
+        if not 0 < len(token_ids) <= self.max_context:
+            raise GenerationError(f"can score 1 to {self.max_context} tokens at once, got {len(token_ids)}")
         cache = ContiguousKVCache.empty(self.num_layers, 1, self.spec["num_kv_heads"], self.spec["head_dim"])
         ids = np.asarray([token_ids], dtype=np.int64)
         mask = np.ones_like(ids)
@@ -176,7 +177,7 @@ class Engine:
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompt_ids = [seq.result.prompt_token_ids for seq in sequences]
-        sampler = Sampler(params)
+        sampler = Sampler(params, len(sequences))
         batch = len(prompt_ids)
         width = max(len(ids) for ids in prompt_ids)
         input_ids = np.full((batch, width), self.pad_token_id, dtype=np.int64)
@@ -194,7 +195,7 @@ class Engine:
         next_position = positions[:, -1] + 1
         decode_seconds, decode_steps = 0.0, 0
         for step in range(max_new_tokens):
-            tokens = sampler(logits)
+            tokens = sampler(logits, rows)
             for row, index in enumerate(rows):
                 yield index, self._append(sequences[index], int(tokens[row]), step + 1 == max_new_tokens)
             keep = [row for row, index in enumerate(rows) if not sequences[index].done]
@@ -204,6 +205,10 @@ class Engine:
                 cache.select_rows(keep)
                 rows, tokens, next_position, mask = ([rows[r] for r in keep], tokens[keep], next_position[keep],
                                                      mask[keep])
+                padding = int(mask.any(0).argmax())  # leading columns that are padding in every remaining row
+                if padding:
+                    cache.drop_leading(padding)
+                    mask = mask[:, padding:]
             mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=np.int64)], axis=1)
             start = time.perf_counter()
             logits = self._step(tokens[:, None].astype(np.int64), next_position[:, None], mask, cache)[:, -1]
@@ -225,7 +230,7 @@ class Engine:
         result.token_ids.append(token)
         if token in self.eos_token_ids:
             seq.done, result.finish_reason = True, "eos"
-            return ""
+            return seq.detokenizer.finish()
         delta = seq.detokenizer.add(token)
         if seq.detokenizer.stopped:
             seq.done, result.finish_reason = True, "stop"
@@ -233,4 +238,4 @@ class Engine:
             seq.done, result.finish_reason = True, "context"
         elif last_step:
             seq.done, result.finish_reason = True, "length"
-        return delta
+        return delta + seq.detokenizer.finish() if seq.done else delta

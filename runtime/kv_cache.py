@@ -36,5 +36,10 @@ class ContiguousKVCache:
         self.keys = [np.ascontiguousarray(k[rows]) for k in self.keys]
         self.values = [np.ascontiguousarray(v[rows]) for v in self.values]
 
+    def drop_leading(self, count: int) -> None:
+        """Forget the first `count` cached positions (left padding no remaining row needs)."""
+        self.keys = [np.ascontiguousarray(k[:, :, count:]) for k in self.keys]
+        self.values = [np.ascontiguousarray(v[:, :, count:]) for v in self.values]
+
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys + self.values)

@@ -50,15 +50,19 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        self.rng = np.random.default_rng(params.seed)
+    """One random stream per sequence, each seeded with `seed`: a prompt samples the same tokens alone or in any
+    batch (two identical prompts in one batch therefore sample identically, as with per-request seeds elsewhere)."""
 
-    def __call__(self, logits: np.ndarray) -> np.ndarray:
-        """logits [B,V] → token ids [B]."""
+    def __init__(self, params: SamplingParams, sequences: int = 1):
+        self.params = params
+        self.rngs = [np.random.default_rng(params.seed) for _ in range(sequences)]
+
+    def __call__(self, logits: np.ndarray, sequence_of_row: list[int] | None = None) -> np.ndarray:
+        """logits [B,V] → token ids [B]; row i belongs to sequence sequence_of_row[i] (default: row i)."""
         if self.params.greedy:
             return logits.argmax(-1)
+        rows = sequence_of_row if sequence_of_row is not None else list(range(logits.shape[0]))
         probs = probabilities(logits, self.params)
         cumulative = np.cumsum(probs, -1)
-        draws = self.rng.random((probs.shape[0], 1)) * cumulative[:, -1:]
+        draws = np.array([[self.rngs[i].random()] for i in rows]) * cumulative[:, -1:]
         return np.minimum((cumulative < draws).sum(-1), probs.shape[-1] - 1)

@@ -69,3 +69,15 @@ def test_failed_compile_leaves_nothing(make_tiny_model, tmp_path, monkeypatch):
         fxllm.compile(make_tiny_model("llama"), output)
     assert not output.exists()
     assert list(tmp_path.iterdir()) == [], "the staging directory must be removed too"
+
+
+def test_manifest_without_checksums_is_refused(artifact_copy):
+    path = artifact_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["files"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="incomplete \\(missing files\\)"):
+        fxllm.load(artifact_copy)
+    path.write_text("[1, 2]")
+    with pytest.raises(ArtifactError, match="no format_version"):
+        fxllm.load(artifact_copy)

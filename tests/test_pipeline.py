@@ -54,3 +54,28 @@ def test_bad_options_are_rejected(cache_reader_pass):
 def test_empty_pipeline_is_rejected():
     with pytest.raises(PipelineError, match="empty"):
         parse_pipeline(" , ")
+
+
+def test_an_exact_pass_that_changes_tokens_fails_the_compile(make_tiny_model):
+    import torch
+
+    from fxllm.compiler.capture import capture
+    from fxllm.compiler.pass_manager import PassFailure, run_pipeline
+    from fxllm.compiler.sources import load_model, resolve_source
+
+    @register_pass("test-breaks-logits")
+    def breaks_logits(program):
+        """Test-only pass claiming exactness while reversing the logits."""
+        output = program.output_node()
+        logits = output.args[0][0]
+        with program.graph.inserting_before(output):
+            flipped = program.graph.call_function(torch.ops.aten.neg.default, (logits,))
+        output.args = ((flipped, *output.args[0][1:]),)
+        return program
+
+    try:
+        program = capture(load_model(resolve_source(make_tiny_model("llama")))).program
+        with pytest.raises(PassFailure, match="'test-breaks-logits' should be exact but changed"):
+            run_pipeline(program, build_pipeline(parse_pipeline("test-breaks-logits")))
+    finally:
+        del _REGISTRY["test-breaks-logits"]

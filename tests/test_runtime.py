@@ -76,8 +76,9 @@ def test_top_k_and_top_p_restrict_the_distribution():
 
 
 def test_sampler_frequencies_follow_probabilities():
-    logits = np.log(np.array([[0.6, 0.3, 0.1]] * 20000))
-    draws = Sampler(SamplingParams(temperature=1.0, seed=0))(logits)
+    logits = np.log(np.array([[0.6, 0.3, 0.1]]))
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0))
+    draws = np.array([sampler(logits)[0] for _ in range(20000)])
     np.testing.assert_allclose(np.bincount(draws, minlength=3) / len(draws), [0.6, 0.3, 0.1], atol=0.015)
 
 
@@ -86,3 +87,26 @@ def test_bad_sampling_parameters():
         SamplingParams(temperature=1.0, top_p=0)
     with pytest.raises(GenerationError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_streamed_text_never_shows_what_a_stop_string_cuts(engine):
+    full = engine.generate(PROMPTS[1], max_new_tokens=24).text
+    stop = full[len(full) // 2: len(full) // 2 + 4]  # likely to straddle tokens
+    pieces = list(engine.stream(PROMPTS[1], max_new_tokens=24, stop=stop))
+    result = engine.generate(PROMPTS[1], max_new_tokens=24, stop=stop)
+    assert "".join(pieces) == result.text and stop not in result.text
+
+
+def test_a_seed_samples_the_same_alone_or_in_a_batch(engine):
+    kwargs = dict(max_new_tokens=10, temperature=1.0, seed=7)
+    alone = engine.generate(PROMPTS[1], **kwargs).token_ids
+    batch = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]], **kwargs)
+    assert batch[1].token_ids == alone
+
+
+def test_rows_leaving_the_batch_do_not_change_the_others(engine):
+    long_prompt = [5] * (engine.max_context - 4)  # reaches the context after 4 tokens and leaves the batch
+    short_prompt = engine.encode(PROMPTS[0])
+    both = engine.generate_ids([long_prompt, short_prompt], max_new_tokens=12)
+    assert both[0].finish_reason == "context" and len(both[0].token_ids) == 4
+    assert both[1].token_ids == engine.generate_ids([short_prompt], max_new_tokens=12)[0].token_ids
