@@ -6,8 +6,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fxllm.compiler.interface import run_sequence
-from fxllm.compiler.program import Program
 
 SAMPLE_BATCH, SAMPLE_TOKENS = 2, 16
 
@@ -34,6 +32,3 @@ def compare_logits(reference: torch.Tensor, logits: torch.Tensor) -> Drift:
     agree = (reference.argmax(-1) == logits.argmax(-1)).double().mean()
     return Drift(float((reference - logits).abs().max()), float(kl.clamp_min(0)), float(agree))
 
-
-def measure_drift(reference: torch.Tensor, program: Program, sample: torch.Tensor) -> Drift:
-    return compare_logits(reference, run_sequence(program, sample))

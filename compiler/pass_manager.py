@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxllm.compiler.drift import Drift, drift_sample, measure_drift
+from fxllm.compiler.drift import Drift, compare_logits, drift_sample
 from fxllm.compiler.dump import DumpWriter, op_histogram
 from fxllm.compiler.interface import run_sequence
 from fxllm.compiler.lint import LintError, lint
@@ -51,6 +51,7 @@ def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | No
     lint(program)
     stamp_origin(program, "capture")
     reference = run_sequence(program, sample)
+    previous = reference
     dumps = DumpWriter(dump_dir) if dump_dir else None
     if dumps:
         dumps.write_captured(program)
@@ -75,10 +76,13 @@ def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | No
         program.facts |= step.info.provides
         program.applied.append(AppliedPass(step.name, step.options))
         with torch.no_grad():
-            drift = measure_drift(reference, program, sample)
-        if step.info.exact(step.options) and drift.greedy_agreement < 1.0:
-            raise PassFailure(f"pass '{step.name}' should be exact but changed {1 - drift.greedy_agreement:.1%} of "
-                              f"greedy tokens on the drift sample (max |Δlogit| {drift.max_abs_logit:.2e})")
+            logits = run_sequence(program, sample)
+        drift = compare_logits(reference, logits)
+        step_drift = compare_logits(previous, logits)  # this pass alone, not what earlier passes changed
+        previous = logits
+        if step.info.exact(step.options) and step_drift.greedy_agreement < 1.0:
+            raise PassFailure(f"pass '{step.name}' should be exact but changed {1 - step_drift.greedy_agreement:.1%} "
+                              f"of greedy tokens on the drift sample (max |Δlogit| {step_drift.max_abs_logit:.2e})")
         record = PassRecord(index, step.name, step.options, seconds, nodes_before, len(program.graph.nodes), drift)
         records.append(record)
         if dumps:
