@@ -1,6 +1,7 @@
 """The calling convention of a Program, in one place: concrete sample inputs and a full-sequence logits runner.
 
-Dims used in signatures: batch, tokens (new tokens this step), past (cached tokens), total (= past + tokens).
+Dims used in signatures: batch, tokens (new tokens this step), past (cached tokens), total (= past + tokens),
+select (positions whose logits are computed, with select-logits).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def step_inputs(program: Program, input_ids: torch.Tensor, past: dict[str, torch
         "input_ids": input_ids,
         "position_ids": torch.arange(past_len, past_len + tokens).expand(batch, tokens).contiguous(),
         "attention_mask": torch.ones(batch, past_len + tokens, dtype=torch.int64),
+        "logits_index": torch.arange(tokens),
     }
     def value_for(sig: TensorSig) -> torch.Tensor:
         if sig.name in values:
@@ -58,4 +60,4 @@ def _call(program: Program, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, .
 
 
 def sample_dims(batch: int = 2, tokens: int = 8, past: int = 4) -> dict[str, int]:
-    return {"batch": batch, "tokens": tokens, "past": past, "total": past + tokens}
+    return {"batch": batch, "tokens": tokens, "past": past, "total": past + tokens, "select": 3}

@@ -8,7 +8,7 @@ from typing import Any
 from fxllm.compiler.pass_registry import PassInfo, get_pass
 from fxllm.errors import PipelineError
 
-DEFAULT_PIPELINE = ("cleanup", "gqa", "fuse-projections", "kv-cache")
+DEFAULT_PIPELINE = ("cleanup", "gqa", "fuse-projections", "select-logits", "kv-cache")
 CAPTURE_FACTS = frozenset({"captured", "fxllm-attention"})
 
 

@@ -54,6 +54,7 @@ class Engine:
         self.spec = manifest["spec"]
         self.inputs = manifest["io"]["inputs"]
         self.num_layers = sum(1 for sig in self.inputs if sig["name"].startswith("past_key_"))
+        self.selects_logits = any(sig["name"] == "logits_index" for sig in self.inputs)
         self.eos_token_ids = set(self.spec["eos_token_ids"])
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -137,7 +138,7 @@ class Engine:
         cache = ContiguousKVCache.empty(self.num_layers, 1, self.spec["num_kv_heads"], self.spec["head_dim"])
         ids = np.asarray([token_ids], dtype=np.int64)
         mask = np.ones_like(ids)
-        return self._step(ids, np.arange(len(token_ids), dtype=np.int64)[None], mask, cache)[0]
+        return self._step(ids, np.arange(len(token_ids), dtype=np.int64)[None], mask, cache, all_logits=True)[0]
 
     # -- decoding -----------------------------------------------------------------------------------------------
 
@@ -151,8 +152,14 @@ class Engine:
             )
 
     def _step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-              cache: ContiguousKVCache) -> np.ndarray:
+              cache: ContiguousKVCache, all_logits: bool = False) -> np.ndarray:
+        """One forward step; logits [B, T or 1, V]: only the last position's unless all_logits (when the artifact
+        was compiled with select-logits; otherwise always all)."""
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        if self.selects_logits:
+            tokens = input_ids.shape[1]
+            positions = range(tokens) if all_logits else [tokens - 1]
+            feeds["logits_index"] = np.asarray(positions, dtype=np.int64)
         feeds.update(cache.feeds())
         outputs = self.backend.run(feeds)
         cache.update(outputs)

@@ -22,7 +22,7 @@ def artifact_copy(make_tiny_artifact, tmp_path):
 def test_manifest_describes_the_artifact(make_tiny_artifact):
     manifest = read_manifest(make_tiny_artifact("llama"))
     assert manifest["format_version"] == FORMAT_VERSION and manifest["fxllm_version"] == fxllm.__version__
-    assert [p["name"] for p in manifest["passes"]] == ["cleanup", "gqa", "fuse-projections", "kv-cache"]
+    assert [p["name"] for p in manifest["passes"]] == ["cleanup", "gqa", "fuse-projections", "select-logits", "kv-cache"]
     assert manifest["spec"]["num_kv_heads"] == 2 and manifest["target"] == "ort"
     assert {"model.onnx", "model.onnx.data", "tokenizer/tokenizer.json"} <= set(manifest["files"])
     assert all(len(entry["sha256"]) == 64 for entry in manifest["files"].values())

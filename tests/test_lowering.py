@@ -40,9 +40,11 @@ def test_onnx_runtime_matches_torch_reference(make_tiny_artifact, make_tiny_mode
     session = ort.InferenceSession(str(artifact / "model.onnx"), providers=["CPUExecutionProvider"])
     ids = np.asarray([tokenizer(PROMPTS[1])["input_ids"]], dtype=np.int64)
     manifest = json.loads((artifact / "manifest.json").read_text())
-    feeds = {"input_ids": ids, "position_ids": np.arange(ids.shape[1])[None], "attention_mask": np.ones_like(ids)}
-    for sig in manifest["io"]["inputs"][3:]:
-        feeds[sig["name"]] = np.zeros((1, sig["dims"][1], 0, sig["dims"][3]), np.float32)
+    feeds = {"input_ids": ids, "position_ids": np.arange(ids.shape[1])[None], "attention_mask": np.ones_like(ids),
+             "logits_index": np.arange(ids.shape[1])}
+    for sig in manifest["io"]["inputs"]:
+        if sig["name"].startswith("past_"):
+            feeds[sig["name"]] = np.zeros((1, sig["dims"][1], 0, sig["dims"][3]), np.float32)
     logits = session.run(["logits"], feeds)[0]
     with torch.no_grad():
         expected = model(torch.from_numpy(ids)).logits.numpy()
