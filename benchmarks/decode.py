@@ -13,8 +13,8 @@ compiled with that pass list, and transformers eager unless --skip-transformers.
 
     .venv/bin/python benchmarks/decode.py                         # SmolLM2-135M, 64 tokens, 2 threads
     .venv/bin/python benchmarks/decode.py --contexts 64,1024      # one table per ~64- and ~1024-token prompt
-    .venv/bin/python benchmarks/decode.py --variant "no-gqa=cleanup,fuse-projections,kv-cache" \\
-        --contexts 64,1024 --repeats 3 --skip-transformers        # default pipeline against one without gqa
+    .venv/bin/python benchmarks/decode.py --variant "no-gqa=cleanup,fuse-projections,select-logits,kv-cache" \\
+        --contexts 64,1024 --repeats 3 --skip-transformers        # the default pipeline against it without gqa
     .venv/bin/python benchmarks/decode.py --model DIR_OR_GGUF --artifact ARTIFACT --json results.json
 
 Without --artifact, the default row's model is compiled with the default pipeline into
@@ -398,13 +398,10 @@ def context_results(context: int | None, work: Workload, measurements: list[Meas
 
 # --- the run -----------------------------------------------------------------------------------------------------
 
-def measure_context(context: int | None, tokenizer: Any, args: argparse.Namespace, parser: argparse.ArgumentParser,
-                    variants: list[Variant], runners: list[Runner]) -> dict[str, Any]:
-    """Measure every system after a prompt of about `context` tokens; print its table and greedy verdicts."""
-    work = Workload(encode_prompt(tokenizer, args.prompt, context), args.new_tokens, args.repeats)
-    check_fits(work, variants, parser)
-    print(f"\ncontext {context if context else 'of the bare prompt'}: prompt {len(work.prompt_ids)} tokens, "
-          f"{work.new_tokens} new tokens", flush=True)
+def measure_context(context: int | None, work: Workload, runners: list[Runner]) -> dict[str, Any]:
+    """Measure every system on one context's workload; print its table and greedy verdicts."""
+    label = f"context ~{context} tokens" if context else "context: the prompt alone"
+    print(f"\n{label} (prompt {len(work.prompt_ids)} tokens, {work.new_tokens} new tokens)", flush=True)
     measurements = [runner(work) for runner in runners]
     print(format_table(measurements))
     for system, references in greedy_verdicts(measurements).items():
@@ -421,6 +418,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     source = resolve_source(args.model)
     variants = prepare_variants(args, parser, source)
     tokenizer = load_tokenizer(variants[0])
+    workloads = [Workload(encode_prompt(tokenizer, args.prompt, context), args.new_tokens, args.repeats)
+                 for context in args.contexts]
+    for work in workloads:
+        check_fits(work, variants, parser)
     runners = [fxllm_runner(variant, args.threads) for variant in variants]
     if not args.skip_transformers:
         runners.append(transformers_runner(source, args.threads))
@@ -428,7 +429,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     print(f"model {source.name} | {args.new_tokens} new tokens | {args.threads} threads | batch 1, greedy | "
           f"median of {args.repeats} | {env['cpus']} CPUs ({env['machine']}) | torch {env['torch']} | "
           f"onnxruntime {env['onnxruntime']} | transformers {env['transformers']}", flush=True)
-    results = [measure_context(context, tokenizer, args, parser, variants, runners) for context in args.contexts]
+    results = [measure_context(context, work, runners) for context, work in zip(args.contexts, workloads)]
     if args.json:
         config = {"model": args.model, "artifacts": {v.system: str(v.artifact) for v in variants},
                   "passes": {v.system: [p["name"] for p in v.manifest["passes"]] for v in variants},
