@@ -13,11 +13,11 @@ import torch
 from fxllm.compiler.interface import make_input, sample_dims
 from fxllm.compiler.onnx_translations import TRANSLATIONS
 from fxllm.compiler.program import Program
+from fxllm.compiler.tensorrt_audit import ORIGIN_KEY
 from fxllm.errors import UnsupportedModelError
 
 OPSET = 23
 TARGETS = ("ort", "tensorrt")
-ORIGIN_KEY = "fxllm.origin"  # ONNX node metadata: the pass (or "capture") that produced the node; read by the audit
 
 
 def export_program(program: Program) -> torch.export.ExportedProgram:

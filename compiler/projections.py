@@ -35,7 +35,7 @@ def constant(program, node) -> torch.Tensor | None:
     value = program.graph_module
     for part in node.target.split("."):
         value = getattr(value, part)
-    return value
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _weight_and_bias(node: Node) -> tuple[Node, Node | None, bool]:
@@ -148,10 +148,11 @@ def rewrite_projection_slices(program, slices: list[ProjectionSlice],
                 new_split = graph.call_function(aten.split_with_sizes.default, (split.args[0], new_sizes, -1))
             split.replace_all_uses_with(new_split)
             graph.erase_node(split)
-    _drop_unused_attributes(program)
+    drop_unused_attributes(program)
 
 
-def _drop_unused_attributes(program) -> None:
+def drop_unused_attributes(program) -> None:
+    """Erase get_attr nodes nobody uses and delete the tensors no get_attr refers to any more."""
     graph = program.graph
     for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:
         target = node.target

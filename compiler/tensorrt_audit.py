@@ -19,7 +19,7 @@ from fxllm.compiler.tensorrt_rules import (
 )
 
 DEFAULT_TRT_VERSION: Version = (10, 15)
-ORIGIN_KEY = "fxllm.origin"
+ORIGIN_KEY = "fxllm.origin"  # ONNX node metadata written by lowering: the pass (or "capture") behind the node
 
 
 @dataclass(frozen=True)

@@ -13,17 +13,9 @@ import torch
 
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program
+from fxllm.compiler.projections import constant, drop_unused_attributes
 
 aten = torch.ops.aten
-
-
-def _constant(program: Program, node) -> torch.Tensor | None:
-    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
-        return None
-    value = program.graph_module
-    for part in node.target.split("."):
-        value = getattr(value, part)
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _bias(node: torch.fx.Node):
@@ -36,18 +28,12 @@ def _fusable_groups(program: Program) -> list[list[torch.fx.Node]]:
     for node in program.graph.nodes:
         if node.op != "call_function" or node.target is not aten.linear.default:
             continue
-        weight = _constant(program, node.args[1])
+        weight = constant(program, node.args[1])
         bias = _bias(node)
-        if weight is None or (bias is not None and _constant(program, bias) is None):
+        if weight is None or (bias is not None and constant(program, bias) is None):
             continue
         groups[(node.args[0], bias is not None, weight.dtype, weight.shape[1])].append(node)
     return [nodes for nodes in groups.values() if len(nodes) > 1]
-
-
-def _remove_attribute(program: Program, target: str) -> None:
-    owner_path, _, name = target.rpartition(".")
-    owner = program.graph_module.get_submodule(owner_path) if owner_path else program.graph_module
-    delattr(owner, name)
 
 
 @register_pass("fuse-projections", requires=("captured",), provides=("fused-projections",),
@@ -56,12 +42,12 @@ def fuse_projections(program: Program) -> Program:
     """Merge linear layers that share an input into one linear followed by a split."""
     graph = program.graph
     for index, nodes in enumerate(_fusable_groups(program)):
-        weights = [_constant(program, n.args[1]) for n in nodes]
+        weights = [constant(program, n.args[1]) for n in nodes]
         has_bias = _bias(nodes[0]) is not None
         name = f"fused_projection_{index}"
         program.graph_module.register_buffer(f"{name}_weight", torch.cat(weights, 0).detach())
         if has_bias:
-            biases = [_constant(program, _bias(n)) for n in nodes]
+            biases = [constant(program, _bias(n)) for n in nodes]
             program.graph_module.register_buffer(f"{name}_bias", torch.cat(biases, 0).detach())
         first = nodes[0]
         with graph.inserting_before(first):
@@ -74,12 +60,6 @@ def fuse_projections(program: Program) -> Program:
             parts = [graph.call_function(operator.getitem, (split, i)) for i in range(len(nodes))]
         for node, part in zip(nodes, parts):
             node.replace_all_uses_with(part)
-            constants = [a for a in (node.args[1], _bias(node)) if isinstance(a, torch.fx.Node)]
             graph.erase_node(node)
-            for constant in constants:
-                if not constant.users:
-                    target = constant.target
-                    graph.erase_node(constant)
-                    if not any(n.op == "get_attr" and n.target == target for n in graph.nodes):
-                        _remove_attribute(program, target)
+    drop_unused_attributes(program)
     return program

@@ -12,7 +12,7 @@ import torch
 
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program
-from fxllm.compiler.projections import constant
+from fxllm.compiler.projections import constant, drop_unused_attributes
 from fxllm.errors import PipelineError
 
 aten = torch.ops.aten
@@ -78,13 +78,8 @@ def quantize(program: Program, *, method: str = "int8", group_size: int = 128, l
                 node.args[0], graph.get_attr(f"qweight{bits}_{index}"), graph.get_attr(f"qscale{bits}_{index}"),
                 bias, block))
         node.replace_all_uses_with(replacement)
-        weight_node = node.args[1]
         graph.erase_node(node)
-        if not weight_node.users:
-            graph.erase_node(weight_node)
-            if not any(n.op == "get_attr" and n.target == weight_node.target for n in graph.nodes):
-                owner, _, name = weight_node.target.rpartition(".")
-                delattr(program.graph_module.get_submodule(owner) if owner else program.graph_module, name)
+    drop_unused_attributes(program)
     program.spec.notes.append(f"quantize: {method}" + (f", group size {group_size}" if method != "int8" else "")
                               + (", lm_head quantized" if lm_head else ", lm_head float"))
     return program
