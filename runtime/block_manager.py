@@ -1,0 +1,347 @@
+"""Paged KV-cache block manager: maps each sequence's token positions onto fixed-size blocks of one shared KV pool,
+with reference-counted sharing (fork, copy-on-write) and prefix caching of full blocks under a chained hash."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fxllm.errors import GenerationError
+
+_ROOT_HASH = bytes(32)  # the "parent" of a sequence's first block
+
+
+class OutOfBlocks(GenerationError):
+    """Not enough free KV blocks for the request. The manager's state is unchanged: the caller can wait or preempt."""
+
+    def __init__(self, needed: int, free: int, total: int) -> None:
+        super().__init__(f"need {needed} free KV blocks but only {free} of {total} are free; "
+                         "wait for sequences to finish or preempt one, then retry")
+        self.needed = needed
+        self.free = free
+
+
+@dataclass
+class _Sequence:
+    blocks: list[int]  # block table: logical block i -> physical block id
+    tokens: list[int]  # committed tokens, i.e. whose KV is in the pool
+    reserved: int  # token slots the table covers; >= len(tokens)
+    hashes: list[bytes] = field(default_factory=list)  # chained hash of each full committed block (prefix caching)
+
+
+def _block_hash(parent: bytes, tokens: Iterable[int]) -> bytes:
+    # sha256 rather than hash(): Python's hash is cheap to collide on purpose, and a collision would hand one
+    # request another's KV. The parent digest has a fixed length, so parent + tokens parses one way only.
+    return hashlib.sha256(parent + ",".join(map(str, tokens)).encode()).digest()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:  # not `assert`: the check must also run under python -O
+        raise AssertionError(message)
+
+
+class BlockManager:
+    """Owns the block tables of live sequences and the pool of free blocks; the caller owns the KV tensors and
+    performs the copies `append_slots` returns. A block's slot i holds the KV of token position
+    logical_block * block_size + i of every sequence whose table maps that logical block to it."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if not _is_int(num_blocks) or num_blocks < 1:
+            raise GenerationError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
+            raise GenerationError(f"block_size must be a power of two >= 1, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_hits = 0  # in blocks
+        self.prefix_queries = 0  # in blocks: full prompt blocks looked up in the prefix cache
+        self._refs = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))  # ref 0, no cached content
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with cached content, least recently used first
+        self._hash_to_block: dict[bytes, int] = {}
+        self._block_to_hash: dict[int, bytes] = {}
+        self._seqs: dict[int, _Sequence] = {}
+
+    # ---- metrics and lookups
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take, cached-but-unreferenced ones included."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, referenced or not."""
+        return len(self._block_to_hash)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        if num_tokens < 0:
+            raise GenerationError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.block_size)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._seq(seq_id).blocks)
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Committed tokens: positions whose KV is in the pool."""
+        return len(self._seq(seq_id).tokens)
+
+    def num_reserved(self, seq_id: int) -> int:
+        """Token slots the sequence's block table covers: committed tokens plus slots reserved but not yet written."""
+        return self._seq(seq_id).reserved
+
+    def token_ids(self, seq_id: int) -> list[int]:
+        return list(self._seq(seq_id).tokens)
+
+    def ref_count(self, block_id: int) -> int:
+        if not 0 <= block_id < self.num_blocks:
+            raise GenerationError(f"block id {block_id} is out of range [0, {self.num_blocks})")
+        return self._refs[block_id]
+
+    def waste(self) -> float:
+        """Fraction of the allocated slots (a shared block counted once) that no live sequence has reserved."""
+        filled: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for i, block in enumerate(seq.blocks):
+                filled[block] = max(filled.get(block, 0), min(self.block_size, seq.reserved - i * self.block_size))
+        allocated = len(filled) * self.block_size
+        return (allocated - sum(filled.values())) / allocated if allocated else 0.0
+
+    # ---- allocation
+
+    def can_allocate(self, token_ids: Iterable[int]) -> bool:
+        tokens = self._prompt(token_ids)
+        return self._blocks_to_take(tokens, self._prefix_hits(tokens)[0]) <= self.num_free_blocks
+
+    def allocate(self, seq_id: int, token_ids: Iterable[int]) -> int:
+        """Reserve slots for a new sequence's prompt, reusing cached leading full blocks. Returns how many prompt
+        tokens already have their KV in the pool (a multiple of block_size, never the whole prompt: the last
+        token is always computed so the model yields logits); commit_tokens the rest once computed."""
+        if seq_id in self._seqs:
+            raise GenerationError(f"sequence {seq_id} already has blocks allocated")
+        tokens = self._prompt(token_ids)
+        hits, hashes = self._prefix_hits(tokens)
+        needed = self._blocks_to_take(tokens, hits)
+        if needed > self.num_free_blocks:
+            raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks)
+        for block in hits:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        blocks = hits + [self._take_block() for _ in range(self.blocks_needed(len(tokens)) - len(hits))]
+        cached = len(hits) * self.block_size
+        self._seqs[seq_id] = _Sequence(blocks, tokens[:cached], len(tokens), hashes)
+        if self.enable_prefix_caching:
+            self.prefix_queries += (len(tokens) - 1) // self.block_size
+            self.prefix_hits += len(hits)
+        return cached
+
+    def can_append_slots(self, seq_id: int, count: int = 1) -> bool:
+        cow, new = self._append_plan(self._seq(seq_id), count)
+        return len(cow) + new <= self.num_free_blocks
+
+    def append_slots(self, seq_id: int, count: int = 1) -> list[tuple[int, int]]:
+        """Reserve `count` more token slots. Any shared block that holds a slot still to be written (new or reserved
+        earlier) is first replaced by a private copy; returns the (src_block, dst_block) copies the caller must make
+        in the KV pool before writing. count=0 only makes the already reserved slots private."""
+        seq = self._seq(seq_id)
+        cow, new = self._append_plan(seq, count)
+        if len(cow) + new > self.num_free_blocks:
+            raise OutOfBlocks(len(cow) + new, self.num_free_blocks, self.num_blocks)
+        copies = []
+        for i in cow:
+            src, dst = seq.blocks[i], self._take_block()
+            self._refs[src] -= 1  # stays >= 1: another sequence still holds it
+            seq.blocks[i] = dst
+            copies.append((src, dst))
+        seq.blocks.extend(self._take_block() for _ in range(new))
+        seq.reserved += count
+        return copies
+
+    def slot_mapping(self, seq_id: int, start: int, count: int) -> list[int]:
+        """Pool slot (block_id * block_size + offset) of each token position start .. start+count-1, where the caller
+        writes (or, for committed positions, finds) their KV. Refuses uncommitted positions in a shared block."""
+        seq = self._seq(seq_id)
+        self._check_range(seq_id, seq, start, count)
+        self._check_private(seq_id, seq, start, start + count)
+        size = self.block_size
+        return [seq.blocks[pos // size] * size + pos % size for pos in range(start, start + count)]
+
+    def commit_tokens(self, seq_id: int, token_ids: Iterable[int]) -> None:
+        """Record tokens whose KV is now written at the next reserved positions; newly full blocks enter the prefix
+        cache."""
+        seq = self._seq(seq_id)
+        tokens = [int(t) for t in token_ids]
+        start = len(seq.tokens)
+        if start + len(tokens) > seq.reserved:
+            raise GenerationError(f"committing {len(tokens)} tokens at position {start} overruns the {seq.reserved} "
+                                  f"slots reserved for sequence {seq_id}; call append_slots first")
+        self._check_private(seq_id, seq, start, start + len(tokens))
+        seq.tokens.extend(tokens)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares all the parent's blocks; the first write to a shared block copies it (append_slots)."""
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise GenerationError(f"cannot fork into sequence {child_id}: it already exists")
+        for block in parent.blocks:
+            self._refs[block] += 1
+        self._seqs[child_id] = _Sequence(list(parent.blocks), list(parent.tokens), parent.reserved,
+                                         list(parent.hashes))
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seq(seq_id)
+        del self._seqs[seq_id]
+        # Tail first: eviction takes the least recently released, and the tail is the part other prompts are least
+        # likely to share.
+        for block in reversed(seq.blocks):
+            self._release(block)
+
+    # ---- consistency
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant of the block bookkeeping."""
+        owners = [0] * self.num_blocks
+        for sid, seq in self._seqs.items():
+            _expect(len(set(seq.blocks)) == len(seq.blocks), f"sequence {sid} holds a block twice: {seq.blocks}")
+            _expect(len(seq.blocks) == self.blocks_needed(seq.reserved),
+                    f"sequence {sid} has {len(seq.blocks)} blocks for {seq.reserved} reserved slots")
+            _expect(len(seq.tokens) <= seq.reserved,
+                    f"sequence {sid} committed {len(seq.tokens)} tokens into {seq.reserved} slots")
+            full = len(seq.tokens) // self.block_size if self.enable_prefix_caching else 0
+            _expect(len(seq.hashes) == full, f"sequence {sid} has {len(seq.hashes)} block hashes, expected {full}")
+            for i, block in enumerate(seq.blocks):
+                owners[block] += 1
+                cached = self._block_to_hash.get(block)
+                _expect(cached is None or i < len(seq.hashes) and seq.hashes[i] == cached,
+                        f"cached block {block} is logical block {i} of sequence {sid} with different content")
+        for block, (refs, owned) in enumerate(zip(self._refs, owners)):
+            _expect(refs == owned, f"block {block} has ref count {refs} but {owned} owners")
+        free = list(self._free) + list(self._evictable)
+        _expect(len(set(free)) == len(free), "a block is in the free pool twice")
+        for block in free:
+            _expect(self._refs[block] == 0, f"block {block} is free but has ref count {self._refs[block]}")
+        used = sum(refs > 0 for refs in self._refs)
+        _expect(len(free) + used == self.num_blocks,
+                f"{len(free)} free + {used} used blocks != {self.num_blocks} total")
+        _expect(all(block in self._block_to_hash for block in self._evictable), "an evictable block is not cached")
+        _expect(not any(block in self._block_to_hash for block in self._free), "a never-cached free block is cached")
+        _expect(len(self._hash_to_block) == len(self._block_to_hash)
+                and all(self._block_to_hash.get(block) == h for h, block in self._hash_to_block.items()),
+                "the hash -> block and block -> hash maps disagree")
+        _expect(self.enable_prefix_caching or not self._hash_to_block, "blocks cached with prefix caching off")
+
+    # ---- internals
+
+    def _seq(self, seq_id: int) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise GenerationError(f"unknown sequence id {seq_id}: not allocated, or already freed")
+        return seq
+
+    @staticmethod
+    def _prompt(token_ids: Iterable[int]) -> list[int]:
+        tokens = [int(t) for t in token_ids]
+        if not tokens:
+            raise GenerationError("cannot allocate blocks for an empty prompt")
+        return tokens
+
+    def _prefix_hits(self, tokens: list[int]) -> tuple[list[int], list[bytes]]:
+        """Cached blocks holding the prompt's leading full blocks (the last token excluded), and their hashes."""
+        if not self.enable_prefix_caching:
+            return [], []
+        size = self.block_size
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        parent = _ROOT_HASH
+        for i in range((len(tokens) - 1) // size):
+            parent = _block_hash(parent, tokens[i * size:(i + 1) * size])
+            block = self._hash_to_block.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(parent)
+        return blocks, hashes
+
+    def _blocks_to_take(self, tokens: list[int], hits: list[int]) -> int:
+        # A hit on an unreferenced cached block takes it out of the free pool just like a fresh block.
+        return self.blocks_needed(len(tokens)) - len(hits) + sum(self._refs[block] == 0 for block in hits)
+
+    def _append_plan(self, seq: _Sequence, count: int) -> tuple[list[int], int]:
+        """Logical indices of shared blocks holding a slot still to be written, and how many new blocks are needed."""
+        if not _is_int(count) or count < 0:
+            raise GenerationError(f"count must be an integer >= 0, got {count!r}")
+        end = seq.reserved + count
+        cow = []
+        if end > len(seq.tokens):
+            first = len(seq.tokens) // self.block_size  # every table block from here on holds an unwritten slot
+            cow = [i for i in range(first, len(seq.blocks)) if self._refs[seq.blocks[i]] > 1]
+        return cow, self.blocks_needed(end) - len(seq.blocks)
+
+    def _check_range(self, seq_id: int, seq: _Sequence, start: int, count: int) -> None:
+        if start < 0 or count < 0 or start + count > seq.reserved:
+            raise GenerationError(f"positions [{start}, {start + count}) are outside the {seq.reserved} slots "
+                                  f"reserved for sequence {seq_id}")
+
+    def _check_private(self, seq_id: int, seq: _Sequence, start: int, stop: int) -> None:
+        """Writing an uncommitted position of a shared block would corrupt the other owners' KV."""
+        size = self.block_size
+        first_unwritten = max(start, len(seq.tokens))
+        if stop <= first_unwritten:
+            return
+        for i in range(first_unwritten // size, -(-stop // size)):
+            if self._refs[seq.blocks[i]] > 1:
+                raise GenerationError(f"sequence {seq_id}'s block {seq.blocks[i]} is shared and would be written; "
+                                      "call append_slots first to copy it")
+
+    def _register_full_blocks(self, seq: _Sequence) -> None:
+        size = self.block_size
+        for i in range(len(seq.hashes), len(seq.tokens) // size):
+            parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
+            digest = _block_hash(parent, seq.tokens[i * size:(i + 1) * size])
+            seq.hashes.append(digest)
+            # Another block may already hold this content (two sequences computed it concurrently): keep that one.
+            if digest not in self._hash_to_block:
+                self._hash_to_block[digest] = seq.blocks[i]
+                self._block_to_hash[seq.blocks[i]] = digest
+
+    def _take_block(self) -> int:
+        """A free block, preferring never-cached ones; else evict the least recently released cached one."""
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._hash_to_block[self._block_to_hash.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._block_to_hash:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
