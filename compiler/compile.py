@@ -64,6 +64,7 @@ def compile_model(
     torch_model = timed("load", f"loading {source.name}", load_model, source)
     tokenizer = load_tokenizer(source)
     captured = timed("capture", "capturing with torch.export", capture, torch_model)
+    captured.program.tokenizer = tokenizer
     program, report.records = timed(
         "passes", f"running passes: {', '.join(s.name for s in steps)}", run_pipeline, captured.program, steps,
         str(dump_dir) if dump_dir else None,

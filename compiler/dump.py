@@ -54,6 +54,11 @@ class DumpWriter:
             "nodes": {"before": record.nodes_before, "after": record.nodes_after},
             "drift_vs_captured": drift.to_dict(),
         }
+        if record.diagnostics:
+            report["diagnostics"] = record.diagnostics
+            layers = record.diagnostics.get("layers")
+            if layers:
+                (self.directory / f"{stem}.layers.txt").write_text(layer_table(layers))
         (self.directory / f"{stem}.report.json").write_text(json.dumps(report, indent=2) + "\n")
 
     def write_summary(self, records: list) -> None:
@@ -71,6 +76,23 @@ class DumpWriter:
             json.dumps([{"pass": r.name, "options": r.options, "seconds": r.seconds, "drift": r.drift.to_dict()}
                         for r in records], indent=2) + "\n"
         )
+
+
+def layer_table(layers: list[dict]) -> str:
+    """Per-layer quantization errors, worst output error first, so the layer that hurts most is on top."""
+    ranked = sorted(layers, key=lambda r: -(r["output_error"] if r["output_error"] is not None else r["weight_error"]))
+    header = f"{'layer':<18} {'weight':<46} {'shape':>12} {'bits':>4} {'group':>5} {'weight err':>10} {'output err':>10} {'(rtn)':>8}  note"
+    rows = [
+        "relative errors ‖W−Ŵ‖/‖W‖ and ‖xWᵀ−xŴᵀ‖/‖xWᵀ‖ on the calibration inputs each layer receives "
+        "(after earlier layers were quantized), and round-to-nearest's output error on the same inputs; worst first",
+        "", header, "-" * len(header)]
+    for r in ranked:
+        out = "-" if r["output_error"] is None else f"{r['output_error']:.4f}"
+        rtn = "-" if r.get("rtn_output_error") is None else f"{r['rtn_output_error']:.4f}"
+        shape = "x".join(map(str, r["shape"]))
+        rows.append(f"{r['layer']:<18} {r['weight'].removeprefix('model.'):<46} {shape:>12} {r['bits']:>4} {r['group_size']:>5} "
+                    f"{r['weight_error']:>10.4f} {out:>10} {rtn:>8}  {r['note']}")
+    return "\n".join(rows) + "\n"
 
 
 def _histogram_text(after: Counter, before: Counter | None) -> str:

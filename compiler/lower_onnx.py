@@ -92,15 +92,19 @@ def record_origins(path: Path, graph: torch.fx.Graph) -> None:
     onnx.save(model, str(path))
 
 
+INT4_SUFFIX = "_int4_codes"
+
+
 def pack_int4_weights(path: Path) -> None:
-    """Blocked DequantizeLinear weights are exported as INT8 initializers holding -8..7 (torch has no int4 buffers):
-    store them as packed INT4, two per byte, which is what TensorRT and ONNX Runtime's MatMulNBits expect."""
+    """4-bit weights are exported as INT8 initializers holding -8..7 (torch has no int4 buffers); the quantize pass
+    names them `*_int4_codes`. Where one feeds a blocked DequantizeLinear, store it as packed INT4, two per byte,
+    which is what TensorRT and ONNX Runtime's MatMulNBits expect."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
     header = onnx.load(str(path), load_external_data=False)
     blocked = {n.input[0] for n in header.graph.node if n.op_type == "DequantizeLinear"
-               and any(a.name == "block_size" and a.i > 0 for a in n.attribute)}
+               and any(a.name == "block_size" and a.i > 0 for a in n.attribute) and n.input[0].endswith(INT4_SUFFIX)}
     if not blocked:
         return
     model = onnx.load(str(path))  # with weights

@@ -26,6 +26,7 @@ class PassRecord:
     nodes_before: int
     nodes_after: int
     drift: Drift
+    diagnostics: dict | None = None  # what the pass reported about itself (e.g. quantize's per-layer errors)
 
 
 class PassFailure(FxllmError):
@@ -62,6 +63,7 @@ def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | No
         nodes_before = len(program.graph.nodes)
         start = time.perf_counter()
         try:
+            program.diagnostics = {}
             program = step.info.run(program, step.options)
             program.graph_module.recompile()
             lint(program)
@@ -83,7 +85,8 @@ def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | No
         if step.info.exact(step.options) and step_drift.greedy_agreement < 1.0:
             raise PassFailure(f"pass '{step.name}' should be exact but changed {1 - step_drift.greedy_agreement:.1%} "
                               f"of greedy tokens on the drift sample (max |Δlogit| {step_drift.max_abs_logit:.2e})")
-        record = PassRecord(index, step.name, step.options, seconds, nodes_before, len(program.graph.nodes), drift)
+        record = PassRecord(index, step.name, step.options, seconds, nodes_before, len(program.graph.nodes), drift,
+                            program.diagnostics or None)
         records.append(record)
         if dumps:
             dumps.write_pass(record, before_text, before_ops, program)

@@ -43,6 +43,8 @@ class Program:
     outputs: list[TensorSig]
     facts: set[str] = field(default_factory=set)
     applied: list[AppliedPass] = field(default_factory=list)
+    tokenizer: Any = None  # the source's tokenizer, for passes that need text (quantize's calibration)
+    diagnostics: dict[str, Any] = field(default_factory=dict)  # what the last pass wants in its dump (per-layer...)
 
     @property
     def graph(self) -> torch.fx.Graph:

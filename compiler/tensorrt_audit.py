@@ -44,7 +44,9 @@ def _constants(graph: onnx.GraphProto) -> set[str]:
 
 def _ranks(model: onnx.ModelProto) -> dict[str, int]:
     values = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
-    return {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+    ranks.update({init.name: len(init.dims) for init in model.graph.initializer})
+    return ranks
 
 
 def audit_model(model: onnx.ModelProto, trt_version: Version = DEFAULT_TRT_VERSION) -> list[Finding]:

@@ -71,6 +71,9 @@ def _attention(node: onnx.NodeProto, constants: set[str], ranks: dict[str, int])
 def _dequantize(node: onnx.NodeProto, constants: set[str], ranks: dict[str, int]) -> list[Violation]:
     if len(node.input) > 2 and node.input[2] and node.input[2] not in constants:
         return [Violation("DequantizeLinear x_zero_point must be absent or a zero initializer (TensorRT 10.0)")]
+    if ranks.get(node.input[1], 0) > 2:
+        return [Violation(f"DequantizeLinear scale '{node.input[1]}' is {ranks[node.input[1]]}D; TensorRT takes "
+                          "scales of rank <= 2 (IDequantizeLayer)")]
     return []
 
 

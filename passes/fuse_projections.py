@@ -16,6 +16,7 @@ from fxllm.compiler.program import Program
 from fxllm.compiler.projections import constant, drop_unused_attributes
 
 aten = torch.ops.aten
+FUSED_FROM = "fxllm_fused_from"
 
 
 def _bias(node: torch.fx.Node):
@@ -55,6 +56,7 @@ def fuse_projections(program: Program) -> Program:
             if has_bias:
                 args.append(graph.get_attr(f"{name}_bias"))
             fused = graph.call_function(aten.linear.default, tuple(args))
+            fused.meta[FUSED_FROM] = [str(n.args[1].target) for n in nodes]  # names for reports (quantize's dump)
             sizes = [w.shape[0] for w in weights]
             split = graph.call_function(aten.split_with_sizes.default, (fused, sizes, -1))
             parts = [graph.call_function(operator.getitem, (split, i)) for i in range(len(nodes))]

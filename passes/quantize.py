@@ -1,85 +1,228 @@
-"""Pass `quantize`: weight-only quantization of linear layers.
+"""Pass `quantize`: weight-only quantization of linear layers (and optionally the embedding).
 
 before: linear(x, W [out, in], b)
-→ after: dequant_linear(x, Q [in, out], S, b, block): int8 per output channel (S [out]) or int4 round-to-nearest in
-blocks of `group_size` along the input dim (S [in/group_size, out]); symmetric, no zero point. In ONNX:
-DequantizeLinear → MatMul. The lm_head (the linear producing the logits) stays float unless lm_head=true.
+→ after: dequant_linear(x, Q [in, out], S, b, block): int8 per output channel (S [out]) or int4 in blocks of
+`group_size` along the input dim (S [ceil(in/group_size), out]), symmetric, no zero point; in ONNX
+DequantizeLinear → MatMul. Methods: int8, int4-rtn (round to nearest), int4-gptq, int4-awq (calibrated).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
+from fxllm.compiler.awq import clip_and_quantize, search_scales
+from fxllm.compiler.calibration import calibration_tokens, read_calibration_text, walk_linears
+from fxllm.compiler.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program
+from fxllm.compiler.progress import progress
 from fxllm.compiler.projections import constant, drop_unused_attributes
+from fxllm.compiler.quant_math import QuantFormat, dequantize_codes, relative_error, round_to_nearest
+from fxllm.compiler.quant_folding import input_scale_folder
+from fxllm.passes.fuse_projections import FUSED_FROM
 from fxllm.errors import PipelineError
 
 aten = torch.ops.aten
-METHODS = ("int8", "int4-rtn")
-PLANNED = ("int4-gptq", "int4-awq")
-QMAX = {"int8": 127, "int4-rtn": 7}
-QMIN = {"int8": -127, "int4-rtn": -8}
+Node = torch.fx.Node
+METHODS = ("int8", "int4-rtn", "int4-gptq", "int4-awq")
+CALIBRATED = ("int4-gptq", "int4-awq")
+SIDE_MODES = ("float", "int8", "int4")  # lm_head and embedding
 
 
-def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight_t [in, out] → (int8 [in, out], scales [out]): symmetric per output channel."""
-    scales = weight_t.abs().amax(0).clamp_min(1e-12) / QMAX["int8"]
-    q = torch.round(weight_t / scales).clamp(QMIN["int8"], QMAX["int8"]).to(torch.int8)
-    return q, scales.to(weight_t.dtype)
-
-
-def quantize_int4_rtn(weight_t: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight_t [in, out] → (int8 holding -8..7 [in, out], scales [in/group_size, out]): symmetric, blockwise."""
-    rows, cols = weight_t.shape
-    blocks = weight_t.reshape(rows // group_size, group_size, cols)
-    scales = blocks.abs().amax(1).clamp_min(1e-12) / QMAX["int4-rtn"]
-    q = torch.round(blocks / scales[:, None, :]).clamp(QMIN["int4-rtn"], QMAX["int4-rtn"]).to(torch.int8)
-    return q.reshape(rows, cols), scales.to(weight_t.dtype)
-
-
-def _logits_linear(program: Program) -> torch.fx.Node | None:
-    logits = program.output_node().args[0][0]
-    return logits if getattr(logits, "target", None) is aten.linear.default else None
+@dataclass
+class QuantizedLinear:
+    node: Node
+    codes: torch.Tensor  # [out, in] int8 (int4 range for 4 bits)
+    scales: torch.Tensor  # [groups, out] or [out]
+    fmt: QuantFormat
+    weight_error: float = 0.0
+    output_error: float | None = None
+    rtn_output_error: float | None = None  # round-to-nearest's output error on the same inputs, for comparison
+    note: str = ""
 
 
 @register_pass("quantize", requires=("captured",), provides=("quantized",), forbids=("quantized", "kv-cache"),
                exact=False)
-def quantize(program: Program, *, method: str = "int8", group_size: int = 128, lm_head: bool = False) -> Program:
-    """Weight-only quantization of linear layers (int8 per channel, int4 RTN blockwise)."""
-    if method in PLANNED:
-        raise PipelineError(f"quantize method '{method}' is not implemented yet (available: {', '.join(METHODS)})")
+def quantize(program: Program, *, method: str = "int8", group_size: int = 128, lm_head: str = "float",
+             embedding: str = "float", calib: str = "shakespeare", samples: int = 16, seq_len: int = 512,
+             damp: float = 0.01, act_order: bool = True, mse: bool = True) -> Program:
+    """Weight-only int8 / int4 (RTN, GPTQ, AWQ) quantization of linear layers."""
+    _check_options(method, group_size, lm_head, embedding)
+    head = _logits_linear(program)
+    linears = [n for n in program.graph.nodes if n.target is aten.linear.default and n is not head
+               and constant(program, n.args[1]) is not None]
+    main_fmt = QuantFormat(8, 0) if method == "int8" else QuantFormat(4, group_size)
+    formats = {n: main_fmt for n in linears}
+    if head is not None and lm_head != "float":
+        formats[head] = _side_format(lm_head, group_size)
+    start = time.perf_counter()
+    tokens = None
+    if method in CALIBRATED:
+        if program.tokenizer is None:
+            raise PipelineError(f"quantize: method {method} needs calibration text, and this program has no tokenizer")
+        text, source = read_calibration_text(calib)
+        tokens = calibration_tokens(program.tokenizer, text, samples, seq_len, source)
+    results = _quantize_all(program, formats, method, tokens, damp, act_order, mse)
+    layers = [_layer_report(r) for r in results]
+    for index, result in enumerate(results):
+        _rewrite(program, result, index)
+    if embedding != "float":
+        _quantize_embedding(program, _side_format(embedding, group_size))
+    drop_unused_attributes(program)
+    program.spec.notes.append(
+        f"quantize: {method}" + (f", group size {group_size}" if method != "int8" else ", per channel")
+        + f", lm_head {lm_head}, embedding {embedding}" + (f", calibration {calib} {samples}x{seq_len}" if tokens is
+                                                            not None else ""))
+    program.diagnostics = {"layers": layers,
+                           "seconds": round(time.perf_counter() - start, 2)}
+    return program
+
+
+def _check_options(method: str, group_size: int, lm_head: str, embedding: str) -> None:
     if method not in METHODS:
         raise PipelineError(f"unknown quantize method '{method}' (available: {', '.join(METHODS)})")
-    if method != "int8" and (group_size < 16 or group_size & (group_size - 1)):
+    if group_size < 16 or group_size & (group_size - 1):
         raise PipelineError(f"quantize: group_size must be a power of two >= 16, got {group_size}")
+    for name, value in (("lm_head", lm_head), ("embedding", embedding)):
+        if value not in SIDE_MODES:
+            raise PipelineError(f"quantize: {name} must be one of {', '.join(SIDE_MODES)}, got '{value}'")
+
+
+def _side_format(mode: str, group_size: int) -> QuantFormat:
+    # Blocked even for int8: ONNX Runtime runs blocked int8 DQ→MatMul as MatMulNBits, per-channel int8 it does not.
+    return QuantFormat(8 if mode == "int8" else 4, group_size)
+
+
+def _logits_linear(program: Program) -> Node | None:
+    logits = program.output_node().args[0][0]
+    return logits if getattr(logits, "target", None) is aten.linear.default else None
+
+
+def _quantize_all(program: Program, formats: dict[Node, QuantFormat], method: str, tokens: torch.Tensor | None,
+                  damp: float, act_order: bool, mse: bool) -> list[QuantizedLinear]:
+    """Without calibration each layer is rounded on its own; with it, layers are visited in graph order on the
+    calibration activations, each seeing the outputs of the already-quantized layers before it."""
+    if tokens is None:
+        results = []
+        for node in progress(list(formats), desc="quantize", unit="layer"):
+            weight = constant(program, node.args[1]).detach()
+            codes, scales = round_to_nearest(weight, formats[node])
+            results.append(_with_errors(QuantizedLinear(node, codes, scales, formats[node]), weight, None))
+        return results
+    done: dict[Node, QuantizedLinear] = {}
+    bar = progress(range(len(formats)), desc=f"quantize {method}", unit="layer")
+    bar_iter = iter(bar)
+
+    def visit(group: list[Node], x: torch.Tensor) -> dict[Node, torch.Tensor]:
+        outputs = {}
+        for node, result, x_used in _calibrated_group(program, group, x, formats, method, damp, act_order, mse,
+                                                      done):
+            done[node] = result
+            weight = dequantize_codes(result.codes, result.scales, result.fmt)
+            bias = constant(program, node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
+            outputs[node] = torch.nn.functional.linear(x_used, weight, bias)
+        return outputs
+
+    walk_linears(program, tokens, list(formats), visit, on_done=lambda n: [next(bar_iter, None) for _ in range(n)])
+    return [done[n] for n in formats]
+
+
+def _calibrated_group(program: Program, group: list[Node], x: torch.Tensor, formats: dict[Node, QuantFormat],
+                      method: str, damp: float, act_order: bool, mse: bool, done: dict[Node, QuantizedLinear]):
+    """Quantize linears that read the same x; yields (node, result, the input their outputs are computed from)."""
+    if method == "int4-gptq":
+        hessian = HessianAccumulator(x.shape[-1])
+        hessian.add(x)
+        for node in group:
+            weight = constant(program, node.args[1]).detach()
+            codes, scales = gptq_quantize(weight, hessian.hessian, formats[node], damp=damp, act_order=act_order,
+                                          mse=mse)
+            yield node, _with_errors(QuantizedLinear(node, codes, scales, formats[node]), weight, x), x
+        return
+    weights = {node: constant(program, node.args[1]).detach() for node in group}
+    folder = input_scale_folder(program, group, done)
+    search = search_scales(x, torch.cat(list(weights.values())), formats[group[0]]) if folder else None
+    if search is not None:
+        folder(search.scales)  # the producer of x now emits x / s
+        x = x / search.scales
+    for node, weight in weights.items():
+        scaled = weight * search.scales if search is not None else weight
+        codes, scales = clip_and_quantize(x, scaled, formats[node])
+        note = f"awq α={search.ratio:.2f}" if search is not None else "awq clipping only (input scale not foldable)"
+        result = QuantizedLinear(node, codes, scales, formats[node], note=note)
+        yield node, _with_errors(result, weight, x, search.scales if search is not None else None), x
+
+
+def _with_errors(result: QuantizedLinear, weight: torch.Tensor, x: torch.Tensor | None,
+                 input_scales: torch.Tensor | None = None) -> QuantizedLinear:
+    """Relative weight error, and relative output error on the calibration inputs x (the inputs the layer really
+    receives, after earlier layers were quantized), both in the float layer's own terms."""
+    approx = dequantize_codes(result.codes, result.scales, result.fmt)
+    if input_scales is not None:
+        approx = approx / input_scales  # AWQ: compare W with Q·diag(1/s), the weight the layer applies to x
+    result.weight_error = relative_error(weight, approx)
+    if x is not None:
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows[torch.linspace(0, len(rows) - 1, min(2048, len(rows))).long()]
+        reference = rows * input_scales if input_scales is not None else rows  # the float layer's input
+        expected = reference @ weight.t()
+        result.output_error = relative_error(expected, rows @ dequantize_codes(
+            result.codes, result.scales, result.fmt).t())
+        rtn = dequantize_codes(*round_to_nearest(weight, result.fmt), result.fmt)
+        result.rtn_output_error = relative_error(expected, reference @ rtn.t())
+    return result
+
+
+def _weight_label(node: Node) -> str:
+    """'model.layers.3.self_attn.q_proj+k_proj+v_proj' for a fused projection, else the weight's name."""
+    names = [n.removesuffix(".weight") for n in node.meta.get(FUSED_FROM, [str(node.args[1].target)])]
+    prefix = names[0].rpartition(".")[0]
+    if len(names) > 1 and all(n.rpartition(".")[0] == prefix for n in names):
+        return prefix + "." + "+".join(n.rpartition(".")[2] for n in names)
+    return "+".join(names)
+
+
+def _layer_report(result: QuantizedLinear) -> dict:
+    return {"layer": result.node.name, "weight": _weight_label(result.node),
+            "shape": list(result.codes.shape), "bits": result.fmt.bits, "group_size": result.fmt.group_size,
+            "weight_error": round(result.weight_error, 6),
+            "output_error": None if result.output_error is None else round(result.output_error, 6),
+            "rtn_output_error": None if result.rtn_output_error is None else round(result.rtn_output_error, 6),
+            "note": result.note}
+
+
+def _rewrite(program: Program, result: QuantizedLinear, index: int) -> None:
+    graph, node = program.graph, result.node
+    prefix = f"quantized_{index}"
+    codes = f"{prefix}_int{result.fmt.bits}_codes"  # lowering packs the *_int4_codes two per byte
+    program.graph_module.register_buffer(codes, result.codes.t().contiguous())
+    program.graph_module.register_buffer(f"{prefix}_scales", result.scales.contiguous())
+    bias = node.args[2] if len(node.args) > 2 else None
+    with graph.inserting_before(node):
+        replacement = graph.call_function(torch.ops.fxllm.dequant_linear.default, (
+            node.args[0], graph.get_attr(codes), graph.get_attr(f"{prefix}_scales"), bias,
+            result.fmt.group_size))
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
+
+
+def _quantize_embedding(program: Program, fmt: QuantFormat) -> None:
+    """embedding(W [vocab, hidden], ids) → dequant_embedding(codes, scales, ids): rows quantized in blocks of the
+    hidden dim (int4 codes are stored one per byte: ONNX's Gather has no INT4 type)."""
     graph = program.graph
-    head = _logits_linear(program)
-    targets = [n for n in graph.nodes if n.target is aten.linear.default and (lm_head or n is not head)
-               and constant(program, n.args[1]) is not None]
-    for index, node in enumerate(targets):
-        weight = constant(program, node.args[1])
-        if method != "int8" and weight.shape[1] % group_size:
-            raise PipelineError(
-                f"quantize: input dim {weight.shape[1]} of '{node.name}' is not a multiple of group_size "
-                f"{group_size}; choose a group size that divides it (fxllm does not pad)"
-            )
-        weight_t = weight.detach().t().contiguous()
-        if method == "int8":
-            qweight, scales, block = *quantize_int8(weight_t), 0
-        else:
-            qweight, scales, block = *quantize_int4_rtn(weight_t, group_size), group_size
-        bits = 8 if method == "int8" else 4
-        program.graph_module.register_buffer(f"qweight{bits}_{index}", qweight)
-        program.graph_module.register_buffer(f"qscale{bits}_{index}", scales)
-        bias = node.args[2] if len(node.args) > 2 else None
+    for index, node in enumerate([n for n in graph.nodes if n.target is aten.embedding.default]):
+        weight = constant(program, node.args[0])
+        if weight is None:
+            continue
+        codes, scales = round_to_nearest(weight.detach(), fmt)  # rows are the "output channels" here
+        program.graph_module.register_buffer(f"embedding_{index}_codes", codes)
+        program.graph_module.register_buffer(f"embedding_{index}_scales", scales.t().contiguous())
         with graph.inserting_before(node):
-            replacement = graph.call_function(torch.ops.fxllm.dequant_linear.default, (
-                node.args[0], graph.get_attr(f"qweight{bits}_{index}"), graph.get_attr(f"qscale{bits}_{index}"),
-                bias, block))
+            replacement = graph.call_function(torch.ops.fxllm.dequant_embedding.default, (
+                graph.get_attr(f"embedding_{index}_codes"), graph.get_attr(f"embedding_{index}_scales"),
+                node.args[1], fmt.group_size))
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
-    drop_unused_attributes(program)
-    program.spec.notes.append(f"quantize: {method}" + (f", group size {group_size}" if method != "int8" else "")
-                              + (", lm_head quantized" if lm_head else ", lm_head float"))
-    return program

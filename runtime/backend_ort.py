@@ -29,7 +29,8 @@ class OrtBackend:
         options.log_severity_level = 3
         # ORT fuses DequantizeLinear → MatMul into MatMulNBits; its default accuracy level quantizes activations to
         # int8, which would add error the compiler's drift report never saw. Level 0 keeps float activations.
-        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
+                                         os.environ.get("FXLLM_ORT_ACCURACY_LEVEL", "0"))
         try:
             self.session = ort.InferenceSession(str(model_path), options, providers=providers or default_providers())
         except Exception as exc:  # onnxruntime raises its own exception types for bad models

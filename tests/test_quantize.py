@@ -1,6 +1,8 @@
-"""quantize: weight-only int8 / int4-RTN, checked against direct computation, in the DQ → MatMul ONNX form."""
+"""quantize: RTN / GPTQ / AWQ math against direct computations, and the DQ → MatMul form in ONNX."""
 
 from __future__ import annotations
+
+import json
 
 import onnx
 import pytest
@@ -8,41 +10,152 @@ import torch
 from onnx import TensorProto
 
 import fxllm
+from fxllm.compiler.awq import search_clipping, search_scales
 from fxllm.compiler.capture import capture
-from fxllm.compiler.ops import dequantize
+from fxllm.compiler.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_manager import run_pipeline
 from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
-from fxllm.compiler.sources import load_model, resolve_source
+from fxllm.compiler.quant_math import QuantFormat, dequantize_codes, round_to_nearest
+from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source
 from fxllm.compiler.tensorrt_audit import audit_file
 from fxllm.errors import PipelineError
-from fxllm.passes.quantize import quantize_int4_rtn, quantize_int8
+
+INT4_G32 = QuantFormat(4, 32)
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def calibration_file(tmp_path_factory):
+    """Real English text that ships with Python (the tests only need text, not a public-domain one)."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text("\n\n".join(topics.values()))
+    return path
 
 
 def test_int8_per_channel_round_trip():
-    weight_t = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
-    q, scales = quantize_int8(weight_t)
-    assert q.dtype == torch.int8 and scales.shape == (48,)
-    assert q.abs().max() == 127  # every column uses the full range
-    error = (dequantize(q, scales, 0) - weight_t).abs()
-    assert (error <= scales / 2 + 1e-7).all()  # round-to-nearest: at most half a step per column
+    weight = torch.randn(48, 64, generator=_generator(0))
+    codes, scales = round_to_nearest(weight, QuantFormat(8, 0))
+    assert codes.dtype == torch.int8 and scales.shape == (48,)
+    assert (codes.abs().amax(1) == 127).all()  # every output channel uses the full range
+    error = (dequantize_codes(codes, scales, QuantFormat(8, 0)) - weight).abs()
+    assert (error <= scales[:, None] / 2 + 1e-7).all()  # round-to-nearest: at most half a step
 
 
-def test_int4_blockwise_round_trip():
-    weight_t = torch.randn(128, 8, generator=torch.Generator().manual_seed(1))
-    weight_t[5, 3] = 40.0  # an outlier only widens its own block's step
-    q, scales = quantize_int4_rtn(weight_t, 32)
-    assert scales.shape == (4, 8) and q.min() >= -8 and q.max() <= 7
-    error = (dequantize(q, scales, 32) - weight_t).abs().reshape(4, 32, 8)
-    assert (error <= scales[:, None, :] / 2 + 1e-6).all()
+def test_int4_blockwise_round_trip_with_a_ragged_last_block():
+    weight = torch.randn(8, 80, generator=_generator(1))  # 80 = 2 blocks of 32 + one of 16
+    weight[3, 5] = 40.0  # an outlier only widens its own block's step
+    codes, scales = round_to_nearest(weight, INT4_G32)
+    assert scales.shape == (3, 8) and codes.min() >= -8 and codes.max() <= 7
+    steps = scales.repeat_interleave(32, 0)[:80].t()
+    assert ((dequantize_codes(codes, scales, INT4_G32) - weight).abs() <= steps / 2 + 1e-6).all()
     assert scales[0, 3] == pytest.approx(40.0 / 7) and scales[1, 3] < 1.0
+
+
+def _correlated_inputs(tokens: int, features: int, seed: int) -> torch.Tensor:
+    gen = _generator(seed)
+    mixing = torch.randn(features, features, generator=gen) * 0.5 + torch.eye(features)
+    return torch.randn(tokens, features, generator=gen) @ mixing
+
+
+def test_hessian_accumulator_matches_direct_formula():
+    x = _correlated_inputs(300, 16, 2)
+    accumulator = HessianAccumulator(16)
+    for chunk in x.split(70):
+        accumulator.add(chunk)
+    torch.testing.assert_close(accumulator.hessian, 2 * x.double().t() @ x.double() / 300, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_with_a_diagonal_hessian_is_round_to_nearest(act_order):
+    """With uncorrelated inputs there is nothing to compensate: GPTQ must reduce to plain rounding."""
+    weight = torch.randn(24, 64, generator=_generator(3))
+    hessian = torch.diag(torch.rand(64, generator=_generator(4)) + 0.5)
+    codes, scales = gptq_quantize(weight, hessian, INT4_G32, damp=0.0, act_order=act_order)
+    rtn_codes, rtn_scales = round_to_nearest(weight, INT4_G32)
+    torch.testing.assert_close(scales, rtn_scales)
+    assert torch.equal(codes, rtn_codes)
+
+
+def test_gptq_lazy_block_updates_equal_column_by_column_updates():
+    """Lazy batching only reorders the same updates: block size 1 (each column's error applied at once to every
+    later column, the textbook OBQ step) and block size 64 must give the same codes."""
+    weight = torch.randn(32, 128, generator=_generator(5))
+    hessian = HessianAccumulator(128)
+    hessian.add(_correlated_inputs(512, 128, 6))
+    fmt = QuantFormat(4, 64)
+    lazy, _ = gptq_quantize(weight, hessian.hessian, fmt, block_size=64)
+    eager, _ = gptq_quantize(weight, hessian.hessian, fmt, block_size=1)
+    assert (lazy == eager).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_lowers_the_output_error_on_a_known_hessian(act_order):
+    """The GPTQ objective tr((W−Ŵ) H (W−Ŵ)ᵀ) for correlated inputs: clearly below round-to-nearest."""
+    weight = torch.randn(64, 128, generator=_generator(7)) * 0.02
+    x = _correlated_inputs(2048, 128, 8)
+    hessian = HessianAccumulator(128)
+    hessian.add(x)
+    fmt = QuantFormat(4, 32)
+
+    def objective(codes, scales):
+        delta = (weight - dequantize_codes(codes, scales, fmt)).double()
+        return float(torch.trace(delta @ hessian.hessian @ delta.t()))
+
+    gptq = objective(*gptq_quantize(weight, hessian.hessian, fmt, act_order=act_order))
+    rtn = objective(*round_to_nearest(weight, fmt))
+    assert gptq < 0.75 * rtn
+
+
+def test_gptq_act_order_keeps_contiguous_group_scales():
+    """Static groups: with act-order the scales are the float weight's per-group ranges (blocked-DQ compatible)."""
+    weight = torch.randn(16, 96, generator=_generator(9))
+    hessian = HessianAccumulator(96)
+    hessian.add(_correlated_inputs(256, 96, 10))
+    _, scales = gptq_quantize(weight, hessian.hessian, INT4_G32, act_order=True)
+    torch.testing.assert_close(scales, round_to_nearest(weight, INT4_G32)[1])
+
+
+def test_awq_scales_protect_a_planted_outlier_channel():
+    weight = torch.randn(64, 128, generator=_generator(11)) * 0.02
+    x = torch.randn(1024, 128, generator=_generator(12))
+    x[:, 37] *= 40.0  # one input channel carries huge activations
+    search = search_scales(x, weight, INT4_G32)
+    assert int(search.scales.argmax()) == 37 and search.ratio > 0
+    assert search.scales[37] > 3 * search.scales.median()
+    reference = x @ weight.t()
+    rtn = dequantize_codes(*round_to_nearest(weight, INT4_G32), INT4_G32)
+    awq = dequantize_codes(*round_to_nearest(weight * search.scales, INT4_G32), INT4_G32) / search.scales
+    rtn_error = ((x @ rtn.t() - reference) ** 2).mean()
+    assert ((x @ awq.t() - reference) ** 2).mean() < 0.5 * rtn_error
+    assert min(search.errors) == pytest.approx(float(((x @ awq.t() - reference) ** 2).mean()), rel=1e-4)
+    assert search.errors[0] >= min(search.errors)  # α = 0 is on the grid: never worse than that
+
+
+def test_awq_clipping_never_widens_and_never_hurts():
+    weight = torch.randn(32, 64, generator=_generator(13))
+    x = torch.randn(256, 64, generator=_generator(14))
+    absmax = search_clipping(x, weight, INT4_G32)
+    original = round_to_nearest(weight, INT4_G32)[1] * 7
+    assert (absmax <= original + 1e-6).all() and (absmax >= 0.5 * original - 1e-6).all()
+    assert (absmax < original - 1e-6).any()  # some group does better clipped
+
+
+def _compile(model, tmp_path, name, options, dump=False):
+    artifact = tmp_path / name
+    passes = f"cleanup,gqa,fuse-projections,select-logits,quantize:{options},kv-cache"
+    report = fxllm.compile(model, artifact, passes=passes, dump_dir=tmp_path / f"{name}-dump" if dump else None)
+    return artifact, report
 
 
 @pytest.mark.parametrize("method,bits", [("int8", TensorProto.INT8), ("int4-rtn", TensorProto.INT4)])
 def test_quantized_artifact_form_and_generation(method, bits, make_tiny_model, tmp_path):
-    artifact = tmp_path / method
-    report = fxllm.compile(make_tiny_model("llama"), artifact,
-                           passes=f"cleanup,gqa,fuse-projections,quantize:method={method};group_size=32,kv-cache")
-    drift = report.records[3].drift
+    artifact, report = _compile(make_tiny_model("llama"), tmp_path, method, f"method={method};group_size=32")
+    drift = next(r for r in report.records if r.name == "quantize").drift
     assert 0 < drift.max_abs_logit < 1.0 and drift.mean_kl < 1e-2  # lossy, but close on the tiny model
     model = onnx.load(str(artifact / "model.onnx"), load_external_data=False)
     initializers = {i.name: i for i in model.graph.initializer}
@@ -58,11 +171,50 @@ def test_quantized_artifact_form_and_generation(method, bits, make_tiny_model, t
     assert all(len(r.token_ids) == 8 for r in results)
 
 
-def test_quantize_bad_options(make_tiny_model):
-    program = capture(load_model(resolve_source(make_tiny_model("llama")))).program
-    for text, message in [("quantize:method=int3", "unknown quantize method 'int3'"),
-                          ("quantize:method=int4-gptq", "not implemented yet"),
-                          ("quantize:method=int4-rtn;group_size=24", "power of two"),
-                          ("quantize:method=int4-rtn;group_size=128", "not a multiple of group_size 128")]:
+@pytest.mark.parametrize("method,lm_head,embedding", [("int4-gptq", "int8", "int4"), ("int4-awq", "float", "int8")])
+def test_calibrated_methods_compile_with_per_layer_errors(method, lm_head, embedding, make_tiny_model,
+                                                          calibration_file, tmp_path):
+    artifact, report = _compile(
+        make_tiny_model("llama"), tmp_path, method, f"method={method};group_size=32;calib={calibration_file};"
+        f"samples=4;seq_len=64;lm_head={lm_head};embedding={embedding}", dump=True)
+    record = next(r for r in report.records if r.name == "quantize")
+    assert 0 < record.drift.max_abs_logit < 1.0
+    layers = record.diagnostics["layers"]
+    assert len(layers) == 2 * 4 + (lm_head != "float")  # every projection (plus the lm_head when quantized)
+    assert all(0 < layer["output_error"] < 0.5 and 0 < layer["weight_error"] < 0.5 for layer in layers)
+    # on the inputs each layer really receives, the calibrated method beats round-to-nearest's output error
+    int4 = [layer for layer in layers if layer["bits"] == 4]
+    assert sum(layer["output_error"] < layer["rtn_output_error"] for layer in int4) >= len(int4) - 1
+    mean = sum(layer["output_error"] for layer in int4) / sum(layer["rtn_output_error"] for layer in int4)
+    assert mean < (0.9 if method == "int4-gptq" else 1.0)
+    assert any("self_attn.q_proj+k_proj+v_proj" in layer["weight"] for layer in layers)
+    if method == "int4-awq":
+        notes = {layer["note"].split("=")[0] for layer in layers}
+        assert "awq α" in notes  # at least the norm-fed projections got folded input scales
+    table = (tmp_path / f"{method}-dump" / "05_quantize.layers.txt").read_text()
+    assert "output err" in table and ("lm_head" in table) == (lm_head != "float")
+    saved = json.loads((tmp_path / f"{method}-dump" / "05_quantize.report.json").read_text())
+    assert saved["diagnostics"]["layers"][0]["layer"]
+    model = onnx.load(str(artifact / "model.onnx"), load_external_data=False)
+    assert sum(n.op_type == "Gather" for n in model.graph.node) >= 2  # quantized embedding: codes and scales rows
+    result = fxllm.load(artifact).generate(["The quick brown fox"], max_new_tokens=6)[0]
+    assert len(result.token_ids) == 6
+
+
+def test_quantize_bad_options(make_tiny_model, tmp_path):
+    """Each is refused before the graph is touched, so one captured program serves every case."""
+    source = resolve_source(make_tiny_model("llama"))
+    program = capture(load_model(source)).program
+    program.tokenizer = load_tokenizer(source)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    short = tmp_path / "short.txt"
+    short.write_text("Only a few words of calibration text.")
+    for text, message in [("method=int3", "unknown quantize method 'int3'"),
+                          ("method=int4-rtn;group_size=24", "power of two"),
+                          ("method=int4-rtn;lm_head=int2", "lm_head must be one of"),
+                          (f"method=int4-gptq;calib={empty}", "is empty"),
+                          (f"method=int4-awq;calib={short}", "has 8 tokens; 16 samples of 512 tokens need 8192"),
+                          (f"method=int4-gptq;calib={tmp_path / 'missing.txt'}", "cannot read the calibration text")]:
         with pytest.raises(PipelineError, match=message):
-            run_pipeline(program, build_pipeline(parse_pipeline(f"cleanup,{text},kv-cache")))
+            run_pipeline(program, build_pipeline(parse_pipeline(f"quantize:{text},kv-cache")))

@@ -1,0 +1,92 @@
+"""Calibration for data-aware quantization: token samples from a text, and a walk through the graph that hands
+each linear layer its real inputs, in graph order, after the layers before it were already quantized.
+
+The walk is a torch.fx.Interpreter that pauses at every target linear: `visit(group, x)` receives the linears that
+read the same input x and returns their outputs (computed with the quantized weights), which is what the rest of
+the graph then sees. It stops once the last target is done (the logits of a large vocabulary are never needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fxllm.compiler.interface import step_inputs
+from fxllm.compiler.program import Program
+from fxllm.errors import PipelineError
+
+Node = torch.fx.Node
+Visit = Callable[[list[Node], torch.Tensor], dict[Node, torch.Tensor]]
+
+
+def calibration_tokens(tokenizer, text: str, samples: int, seq_len: int, source: str) -> torch.Tensor:
+    """`samples` windows of `seq_len` tokens, evenly spread over the text: [samples, seq_len]."""
+    if samples < 1 or seq_len < 2:
+        raise PipelineError(f"quantize: need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
+    if not text.strip():
+        raise PipelineError(f"quantize: the calibration text '{source}' is empty")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    needed = samples * seq_len
+    if len(ids) < needed:
+        raise PipelineError(
+            f"quantize: the calibration text '{source}' has {len(ids)} tokens; {samples} samples of {seq_len} tokens "
+            f"need {needed}; give a longer text or fewer/shorter samples (--pass-option quantize.samples=N, "
+            f"quantize.seq_len=N)")
+    starts = torch.linspace(0, len(ids) - seq_len, samples).long().tolist()
+    return torch.tensor([ids[s:s + seq_len] for s in starts], dtype=torch.long)
+
+
+def read_calibration_text(path: str) -> tuple[str, str]:
+    """(text, source name) from a file path, or from a named public-domain dataset ('shakespeare')."""
+    from fxllm.compiler.datasets import dataset_names, dataset_text
+
+    if path in dataset_names() and not Path(path).exists():
+        return dataset_text(path), path
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace"), path
+    except OSError as exc:
+        raise PipelineError(f"quantize: cannot read the calibration text '{path}': {exc}") from exc
+
+
+class _Stop(Exception):
+    pass
+
+
+class _LinearWalk(torch.fx.Interpreter):
+    def __init__(self, program: Program, targets: list[Node], visit: Visit, on_done: Callable[[int], None]):
+        super().__init__(program.graph_module, garbage_collect_values=True)
+        self.remaining = set(targets)
+        self.targets = set(targets)
+        self.visit = visit
+        self.on_done = on_done
+        self.ready: dict[Node, torch.Tensor] = {}
+
+    def run_node(self, node: Node):
+        if node not in self.targets:
+            return super().run_node(node)
+        if node not in self.ready:
+            x = self.env[node.args[0]]
+            group = [t for t in self.remaining if t.args[0] is node.args[0]]
+            group.sort(key=lambda t: t.name)
+            self.ready.update(self.visit(group, x))
+            self.on_done(len(group))
+        self.remaining.discard(node)
+        output = self.ready.pop(node)
+        if not self.remaining:
+            raise _Stop
+        return output
+
+
+def walk_linears(program: Program, tokens: torch.Tensor, targets: list[Node], visit: Visit,
+                 on_done: Callable[[int], None] = lambda n: None) -> None:
+    """Run the calibration tokens [samples, seq_len] through the graph as one batch (visit sees every sample's
+    activations at once, as GPTQ's Hessian and AWQ's search need), calling visit() at each group of targets."""
+    inputs = step_inputs(program, tokens, {})
+    with torch.no_grad():
+        try:
+            _LinearWalk(program, targets, visit, on_done).run(*inputs)
+        except _Stop:
+            return
+    raise PipelineError("quantize: the calibration walk ended before reaching every linear layer")
