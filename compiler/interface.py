@@ -44,6 +44,8 @@ def run_sequence(program: Program, input_ids: torch.Tensor, split: int | None = 
     """Logits [B,T,V] for every position of `input_ids`. With a KV cache, the last `split` tokens (default 3) are
     fed as a second multi-token step over the cache of the first ones, so the cache path is what gets measured."""
     with torch.no_grad():
+        if "paged" in program.facts:
+            return _run_paged(program, input_ids, 3 if split is None else split)
         if "kv-cache" not in program.facts:
             return _call(program, step_inputs(program, input_ids, {}))[0]
         split = 3 if split is None else split
@@ -54,10 +56,38 @@ def run_sequence(program: Program, input_ids: torch.Tensor, split: int | None = 
         return torch.cat([outputs[0], outputs2[0]], dim=1)
 
 
+def _run_paged(program: Program, input_ids: torch.Tensor, split: int) -> torch.Tensor:
+    """Two steps through a block pool, the way the runtime drives it: sequence b owns blocks b*n..b*n+n-1, listed
+    in reverse so a wrong table order cannot go unnoticed; each step's new K/V are written into their slots."""
+    batch, length = input_ids.shape
+    pool_sig = next(sig for sig in program.inputs if sig.name.startswith("key_cache_"))
+    block_size = pool_sig.dims[1]
+    per_sequence = -(-length // block_size)
+    tables = torch.stack([torch.arange(per_sequence).flip(0) + b * per_sequence for b in range(batch)])
+    pools = {sig.name: torch.zeros(batch * per_sequence, *pool_sig.dims[1:]) for sig in program.inputs
+             if sig.name.startswith(("key_cache_", "value_cache_"))}
+    logits = []
+    for start, stop in ((0, length - split), (length - split, length)):
+        chunk = input_ids[:, start:stop]
+        values = {"input_ids": chunk, "position_ids": torch.arange(start, stop).expand(batch, -1).contiguous(),
+                  "block_tables": tables, "context_lens": torch.full((batch,), start, dtype=torch.int64),
+                  "logits_index": torch.arange(stop - start), **pools}
+        outputs = _call(program, [values[sig.name] for sig in program.inputs])
+        for sig, value in zip(program.outputs, outputs):
+            if sig.name.startswith("new_"):
+                pool = pools[sig.name.removeprefix("new_").replace("_", "_cache_", 1)]
+                positions = torch.arange(start, stop)
+                blocks = tables[:, positions // block_size]  # [B, T]
+                pool[blocks, positions % block_size] = value.transpose(1, 2)  # [B, T, Hkv, D]
+        logits.append(outputs[0])
+    return torch.cat(logits, dim=1)
+
+
 def _call(program: Program, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     result = program.graph_module(*inputs)
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
 
 def sample_dims(batch: int = 2, tokens: int = 8, past: int = 4) -> dict[str, int]:
-    return {"batch": batch, "tokens": tokens, "past": past, "total": past + tokens, "select": 3}
+    return {"batch": batch, "tokens": tokens, "past": past, "total": past + tokens, "select": 3, "blocks": 6,
+            "table": 3}

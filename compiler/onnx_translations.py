@@ -52,9 +52,47 @@ def dequant_linear(x, qweight, scales, bias, block_size: int):
     return op.Add(out, bias) if bias is not None else out
 
 
+def dequant_embedding(codes, scales, ids, block_size: int):
+    """fxllm::dequant_embedding → Gather the rows' codes and scales, then a DequantizeLinear blocked along the hidden
+    axis: only the looked-up rows are dequantized. Done on 2D [ids, hidden] (TensorRT's dequantize takes rank <= 2
+    scales), then reshaped to [..., hidden]."""
+    flat_ids = op.Reshape(ids, op.Constant(value_ints=[-1]))
+    rows = op.Gather(codes, flat_ids, axis=0)
+    row_scales = op.Gather(scales, flat_ids, axis=0)
+    values = op.DequantizeLinear(rows, row_scales, axis=1, block_size=block_size)
+    shape = op.Concat(op.Shape(ids), op.Shape(codes, start=1, end=2), axis=0)
+    return op.Reshape(values, shape)
+
+
+def gather_blocks(pool, block_tables):
+    """fxllm::gather_blocks → Gather(pool, tables) [B,n,bs,H,D] → Reshape [B,n*bs,H,D] → Transpose [B,H,n*bs,D]."""
+    rows = op.Gather(pool, block_tables, axis=0)
+    batch = op.Shape(block_tables, start=0, end=1)
+    heads_dim = op.Shape(pool, start=2, end=4)
+    flat = op.Reshape(rows, op.Concat(batch, op.Constant(value_ints=[-1]), heads_dim, axis=0))
+    return op.Transpose(flat, perm=[0, 2, 1, 3])
+
+
+def paged_mask(context_lens, block_tables, input_ids, block_size: int):
+    """fxllm::paged_mask → bool [B,1,T,S+T]: (key < context_len) ∨ (key ≥ S ∧ key − S ≤ query)."""
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    past = op.Mul(op.Squeeze(op.Shape(block_tables, start=1, end=2)), op.Constant(value_int=block_size))
+    new = op.Squeeze(op.Shape(input_ids, start=1, end=2))
+    key_pos = op.Range(zero, op.Add(past, new), one)
+    lens = op.Unsqueeze(context_lens, op.Constant(value_ints=[1]))
+    past_visible = op.Unsqueeze(op.Less(key_pos, lens), op.Constant(value_ints=[1, 2]))  # [B,1,1,S+T]
+    query = op.Unsqueeze(op.Range(zero, new, one), op.Constant(value_ints=[1]))  # [T,1]
+    relative = op.Sub(key_pos, past)
+    new_visible = op.And(op.GreaterOrEqual(relative, zero), op.LessOrEqual(relative, query))  # [T,S+T]
+    return op.Or(past_visible, new_visible)
+
+
 TRANSLATIONS = {
     torch.ops.fxllm.attention.default: attention,
     torch.ops.fxllm.causal_mask.default: causal_mask,
     torch.ops.fxllm.masked_attention.default: masked_attention,
     torch.ops.fxllm.dequant_linear.default: dequant_linear,
+    torch.ops.fxllm.dequant_embedding.default: dequant_embedding,
+    torch.ops.fxllm.gather_blocks.default: gather_blocks,
+    torch.ops.fxllm.paged_mask.default: paged_mask,
 }

@@ -55,12 +55,11 @@ def _masked_attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale:
 
 def dequantize(qweight: Tensor, scales: Tensor, block_size: int) -> Tensor:
     """W [in, out] from integer qweight [in, out]: per output column (block_size 0, scales [out]) or in blocks of
-    block_size rows along the input dim (scales [in / block_size, out])."""
+    block_size rows along the input dim (scales [ceil(in / block_size), out]; the last block may be shorter)."""
     if block_size == 0:
         return qweight.to(scales.dtype) * scales
-    rows, cols = qweight.shape
-    blocks = qweight.to(scales.dtype).reshape(rows // block_size, block_size, cols) * scales[:, None, :]
-    return blocks.reshape(rows, cols)
+    rows = qweight.shape[0]
+    return qweight.to(scales.dtype) * scales.repeat_interleave(block_size, 0)[:rows]
 
 
 @torch.library.custom_op("fxllm::dequant_linear", mutates_args=())
@@ -74,6 +73,53 @@ def dequant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | No
 @dequant_linear.register_fake
 def _dequant_linear_fake(x, qweight, scales, bias, block_size):
     return x.new_empty((*x.shape[:-1], qweight.shape[1]))
+
+
+@torch.library.custom_op("fxllm::dequant_embedding", mutates_args=())
+def dequant_embedding(codes: Tensor, scales: Tensor, ids: Tensor, block_size: int) -> Tensor:
+    """Rows of a quantized embedding table: codes [vocab, hidden] (int8; int4 values in int8), scales
+    [vocab, ceil(hidden / block_size)] → float [..., hidden] for ids [...]."""
+    rows = codes[ids].to(scales.dtype)
+    return rows * scales[ids].repeat_interleave(block_size, -1)[..., : codes.shape[1]]
+
+
+@dequant_embedding.register_fake
+def _dequant_embedding_fake(codes, scales, ids, block_size):
+    return scales.new_empty((*ids.shape, codes.shape[1]))
+
+
+@torch.library.custom_op("fxllm::gather_blocks", mutates_args=())
+def gather_blocks(pool: Tensor, block_tables: Tensor) -> Tensor:
+    """A paged cache read: pool [num_blocks, block_size, Hkv, D], block_tables [B, n] → [B, Hkv, n*block_size, D],
+    each sequence's blocks in table order (only the listed blocks are read, never the whole pool)."""
+    batch, count = block_tables.shape
+    rows = pool[block_tables]  # [B, n, block_size, Hkv, D]
+    return rows.reshape(batch, count * pool.shape[1], pool.shape[2], pool.shape[3]).transpose(1, 2).contiguous()
+
+
+@gather_blocks.register_fake
+def _gather_blocks_fake(pool, block_tables):
+    batch, count = block_tables.shape
+    return pool.new_empty((batch, pool.shape[2], count * pool.shape[1], pool.shape[3]))
+
+
+@torch.library.custom_op("fxllm::paged_mask", mutates_args=())
+def paged_mask(context_lens: Tensor, block_tables: Tensor, input_ids: Tensor, block_size: int) -> Tensor:
+    """Bool mask [B,1,T,S+T] for T new tokens after a gathered past of S = n*block_size slots: past slot j is
+    visible when j < context_lens[b] (the rest of the last block is unfilled), new token j when j <= i."""
+    past = block_tables.shape[1] * block_size
+    new = input_ids.shape[1]
+    key_pos = torch.arange(past + new, device=input_ids.device)
+    past_visible = key_pos[None, :] < context_lens[:, None]  # [B, S+T]; false for every new position
+    query = torch.arange(new, device=input_ids.device)
+    new_visible = (key_pos[None, :] >= past) & (key_pos[None, :] - past <= query[:, None])  # [T, S+T]
+    return (past_visible[:, None, None, :] | new_visible[None, None, :, :])
+
+
+@paged_mask.register_fake
+def _paged_mask_fake(context_lens, block_tables, input_ids, block_size):
+    total = block_tables.shape[1] * block_size + input_ids.shape[1]
+    return input_ids.new_empty((input_ids.shape[0], 1, input_ids.shape[1], total), dtype=torch.bool)
 
 
 ATTENTION_OPS = (torch.ops.fxllm.attention.default, torch.ops.fxllm.masked_attention.default)

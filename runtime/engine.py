@@ -15,6 +15,7 @@ from fxllm.errors import ArtifactError, GenerationError
 from fxllm.runtime.artifact import read_manifest
 from fxllm.runtime.backend_ort import OrtBackend
 from fxllm.runtime.detokenizer import IncrementalDetokenizer
+from fxllm.runtime.inspect import DEFAULT_KV_BUDGET
 from fxllm.runtime.kv_cache import ContiguousKVCache
 from fxllm.runtime.sampler import Sampler, SamplingParams
 
@@ -53,18 +54,32 @@ class Engine:
         self.tokenizer = tokenizer
         self.spec = manifest["spec"]
         self.inputs = manifest["io"]["inputs"]
-        self.num_layers = sum(1 for sig in self.inputs if sig["name"].startswith("past_key_"))
+        self.paged = "paged" in manifest.get("facts", [])
+        self.num_layers = sum(1 for sig in self.inputs if sig["name"].startswith(("past_key_", "key_cache_")))
         self.selects_logits = any(sig["name"] == "logits_index" for sig in self.inputs)
         self.eos_token_ids = set(self.spec["eos_token_ids"])
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.last_timings: dict[str, float] = {}
+        self.last_metrics: dict[str, Any] = {}  # paged artifacts: blocks, waste, prefix hits, preemptions...
+        self.kv_cache_memory: int | str | None = None
+        self.kv_blocks: int | None = None
+        self.max_batch = 64
+        self.max_tokens_per_step = 512
+        self.prefix_caching = True
+        self._batcher = None
 
     @classmethod
     def load(cls, path: str | os.PathLike, threads: int | None = None, providers: list[str] | None = None,
-             verify: bool = True, backend: str = "onnxruntime") -> Engine:
-        """backend: "onnxruntime" (any artifact, any machine) or "tensorrt" (an artifact with engine.plan)."""
+             verify: bool = True, backend: str = "onnxruntime", kv_cache_memory: int | str | None = None,
+             kv_blocks: int | None = None, max_batch: int = 64, max_tokens_per_step: int = 512,
+             prefix_caching: bool = True) -> Engine:
+        """backend: "onnxruntime" (any artifact, any machine) or "tensorrt" (an artifact with engine.plan).
+        Paged artifacts: the KV pool holds `kv_blocks` blocks, or as many as fit in `kv_cache_memory` bytes (e.g.
+        "256MB"; default 512 MiB, at least one full-context sequence); `max_batch` requests run at once and a
+        step computes at most `max_tokens_per_step` tokens; `prefix_caching` shares full KV blocks between requests
+        with a common prompt prefix."""
         directory = Path(path)
         manifest = read_manifest(directory, verify=verify)
         if "kv-cache" not in manifest.get("facts", []):
@@ -83,7 +98,47 @@ class Engine:
             tokenizer = AutoTokenizer.from_pretrained(directory / manifest["tokenizer_dir"])
         except Exception as exc:
             raise ArtifactError(f"cannot load the artifact's tokenizer: {exc}") from exc
-        return cls(directory, manifest, runner, tokenizer)
+        engine = cls(directory, manifest, runner, tokenizer)
+        engine.kv_cache_memory, engine.kv_blocks = kv_cache_memory, kv_blocks
+        engine.max_batch, engine.max_tokens_per_step = max_batch, max_tokens_per_step
+        engine.prefix_caching = prefix_caching
+        if engine.paged:
+            engine.batcher()  # sizes the pool now, so a bad KV budget fails at load time
+        return engine
+
+    # -- paged KV cache -------------------------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return next(sig["dims"][1] for sig in self.inputs if sig["name"] == "key_cache_0")
+
+    def capacity_tokens(self) -> int:
+        """Tokens the KV pool can hold (paged artifacts)."""
+        return self.batcher().manager.capacity_tokens
+
+    def batcher(self):
+        """The continuous batcher with its block manager and KV pool, created on first use."""
+        if self._batcher is None:
+            from fxllm.runtime.block_manager import BlockManager
+            from fxllm.runtime.paged_cache import PagedKVPool, parse_bytes
+            from fxllm.runtime.scheduler import ContinuousBatcher
+
+            shape = (self.num_layers, self.block_size, self.spec["num_kv_heads"], self.spec["head_dim"])
+            block_bytes = PagedKVPool.block_bytes(*shape)
+            if self.kv_blocks is not None:
+                blocks = self.kv_blocks
+            elif self.kv_cache_memory is not None:
+                blocks = parse_bytes(self.kv_cache_memory) // block_bytes
+            else:
+                blocks = max(DEFAULT_KV_BUDGET // block_bytes, -(-self.max_context // self.block_size))
+            if blocks < 1:
+                raise GenerationError(
+                    f"a KV budget of {self.kv_cache_memory} holds no KV block: one block of {self.block_size} tokens "
+                    f"takes {block_bytes:,} bytes for this model")
+            manager = BlockManager(int(blocks), self.block_size, enable_prefix_caching=self.prefix_caching)
+            pool = PagedKVPool(self.num_layers, int(blocks), *shape[1:])
+            self._batcher = ContinuousBatcher(self, manager, pool, self.max_batch, self.max_tokens_per_step)
+        return self._batcher
 
     @property
     def max_context(self) -> int:
@@ -118,7 +173,7 @@ class Engine:
                      stop: str | list[str] | None = None, prompts: list[str] | None = None) -> list[GenerationResult]:
         """Like generate, from token ids."""
         sequences = self._new_sequences(prompt_ids, stop, prompts)
-        for _ in self._decode(sequences, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed)):
+        for _ in self._generate(sequences, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed)):
             pass
         return [seq.result for seq in sequences]
 
@@ -127,7 +182,7 @@ class Engine:
                chat: bool = False) -> Iterator[str]:
         """Yield the generated text piece by piece as tokens are decoded."""
         sequences = self._new_sequences([self.encode(prompt, chat)], stop, [prompt])
-        for _, delta in self._decode(sequences, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed)):
+        for _, delta in self._generate(sequences, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed)):
             if delta:
                 yield delta
 
@@ -135,6 +190,8 @@ class Engine:
         """Logits [T,V] of every position of one sequence, in a single prefill (used by `fxllm eval`)."""
         if not 0 < len(token_ids) <= self.max_context:
             raise GenerationError(f"can score 1 to {self.max_context} tokens at once, got {len(token_ids)}")
+        if self.paged:
+            return self.batcher().score(token_ids)
         cache = ContiguousKVCache.empty(self.num_layers, 1, self.spec["num_kv_heads"], self.spec["head_dim"])
         ids = np.asarray([token_ids], dtype=np.int64)
         mask = np.ones_like(ids)
@@ -177,6 +234,30 @@ class Engine:
                       IncrementalDetokenizer(self.tokenizer, stops))
             for i, ids in enumerate(prompt_ids)
         ]
+
+    def _generate(self, sequences: list[_Sequence], max_new_tokens: int,
+                  params: SamplingParams) -> Iterator[tuple[int, str]]:
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not self.paged:
+            yield from self._decode(sequences, max_new_tokens, params)
+            return
+        batcher = self.batcher()
+        start = time.perf_counter()
+        yield from batcher.run(sequences, max_new_tokens, Sampler(params, len(sequences)))
+        metrics = batcher.metrics
+        self.last_metrics = metrics.to_dict(batcher.manager)
+        self.last_timings = {
+            "prefill_ms": round(metrics.prefill_seconds * 1e3, 3),
+            "decode_ms_per_token": round(metrics.decode_seconds * 1e3 / metrics.decode_steps, 3)
+            if metrics.decode_steps else 0.0,
+            "decode_steps": metrics.decode_steps,
+            "batch": len(sequences),
+            "wall_ms": round((time.perf_counter() - start) * 1e3, 3),
+        }
+        for seq in sequences:
+            seq.result.text = seq.detokenizer.text
+            seq.result.timings = dict(self.last_timings)
 
     def _decode(self, sequences: list[_Sequence], max_new_tokens: int,
                 params: SamplingParams) -> Iterator[tuple[int, str]]:

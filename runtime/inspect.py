@@ -8,6 +8,9 @@ from typing import Any
 from fxllm.runtime.artifact import read_manifest
 
 
+DEFAULT_KV_BUDGET = 512 * 2**20  # the engine's default KV pool for paged artifacts (Engine.load)
+
+
 def _mb(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -34,6 +37,13 @@ def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
             spec.get("source_num_kv_heads") or spec["num_kv_heads"]),
         "compile_seconds": manifest.get("compile_seconds", {}),
     }
+    pool = next((sig for sig in manifest["io"]["inputs"] if sig["name"] == "key_cache_0"), None)
+    if pool is not None:
+        block_size = pool["dims"][1]
+        block_bytes = kv_bytes * block_size
+        budget = max(DEFAULT_KV_BUDGET // block_bytes, -(-spec["max_positions"] // block_size))
+        info["paged"] = {"block_size": block_size, "block_bytes": block_bytes, "default_budget_blocks": budget,
+                         "default_budget_tokens": budget * block_size}
     info["text"] = _render(info)
     return info
 
@@ -50,6 +60,10 @@ def _render(info: dict[str, Any]) -> str:
         f"{_mb(info['kv_cache_bytes_full_context'])} per sequence at full context"
         + (f"; {info['kv_cache_bytes_per_token_before_passes']:,} bytes/token before gqa regrouped "
            f"{spec['source_num_kv_heads']} → {spec['num_kv_heads']} KV heads" if spec.get("source_num_kv_heads") else ""),
+        *([f"paged        blocks of {info['paged']['block_size']} tokens, {info['paged']['block_bytes']:,} bytes each; "
+           f"the default {_mb(DEFAULT_KV_BUDGET)} pool holds {info['paged']['default_budget_tokens']:,} tokens "
+           f"({info['paged']['default_budget_blocks']:,} blocks); set it with --kv-cache-memory / --kv-blocks"]
+          if "paged" in info else []),
         f"size         {_mb(info['bytes']['total'])}: "
         + ", ".join(f"{k} {_mb(v)}" for k, v in info["bytes"]["files"].items() if v > 2**20),
         "passes",

@@ -1,0 +1,79 @@
+"""Pass `paged`: the KV cache becomes a pool of fixed-size blocks per layer, addressed through a block table.
+
+before: present_k = cat(past_key_i [B,Hkv,past,D], k); causal+padding mask from attention_mask; outputs present_k_i
+→ after: cat(gather_blocks(key_cache_i [blocks,block_size,Hkv,D], block_tables [B,n]), k) under a mask that hides
+unfilled slots (context_lens [B]); outputs only the step's new_key_i/new_value_i [B,Hkv,T,D], which the runtime
+writes into their slots. A step reads the blocks its sequences own and never copies the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxllm.compiler.pass_registry import register_pass
+from fxllm.compiler.program import Program, TensorSig
+from fxllm.errors import PipelineError
+
+aten = torch.ops.aten
+fxllm_ops = torch.ops.fxllm
+
+
+@register_pass("paged", requires=("kv-cache",), provides=("paged",), forbids=("paged",))
+def paged(program: Program, *, block_size: int = 16) -> Program:
+    """Block-table KV cache: a per-layer block pool, block_tables and context_lens inputs, new K/V outputs."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise PipelineError(f"paged: block_size must be a power of two, got {block_size}")
+    graph, spec = program.graph, program.spec
+    mask_node = next(n for n in graph.nodes if n.target is fxllm_ops.causal_mask.default)
+    attention_mask = program.placeholder("attention_mask")
+    layers = sum(1 for sig in program.inputs if sig.name.startswith("past_key_"))
+    pool_dims = ("blocks", block_size, spec.num_kv_heads, spec.head_dim)
+    new_dims = ("batch", spec.num_kv_heads, "tokens", spec.head_dim)
+
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+
+    def add_after_anchor(make):
+        nonlocal anchor
+        with graph.inserting_after(anchor):
+            anchor = make()
+        return anchor
+
+    block_tables = add_after_anchor(lambda: graph.placeholder("block_tables"))
+    context_lens = add_after_anchor(lambda: graph.placeholder("context_lens"))
+    signatures = {"block_tables": TensorSig("block_tables", ("batch", "table"), "int64"),
+                  "context_lens": TensorSig("context_lens", ("batch",), "int64")}
+    pasts = [program.placeholder(f"past_{kind}_{layer}") for layer in range(layers) for kind in ("key", "value")]
+    pool_names = [past.name.removeprefix("past_").replace("_", "_cache_", 1) for past in pasts]  # key_cache_3
+    pools = [add_after_anchor(lambda name=name: graph.placeholder(name)) for name in pool_names]
+    signatures |= {name: TensorSig(name, pool_dims, "float32") for name in pool_names}
+    for past, pool in zip(pasts, pools):
+        gathered = add_after_anchor(lambda pool=pool: graph.call_function(fxllm_ops.gather_blocks.default,
+                                                                            (pool, block_tables)))
+        past.replace_all_uses_with(gathered)
+        graph.erase_node(past)
+    replaced = {"attention_mask"} | {past.name for past in pasts}
+    with graph.inserting_before(mask_node):
+        mask = graph.call_function(fxllm_ops.paged_mask.default,
+                                   (context_lens, block_tables, program.placeholder("input_ids"), block_size))
+    mask_node.replace_all_uses_with(mask)
+    graph.erase_node(mask_node)
+    graph.erase_node(attention_mask)
+
+    output = program.output_node()
+    values = list(output.args[0])
+    new_outputs = []
+    for index, sig in enumerate(program.outputs):
+        if sig.name.startswith("present_"):
+            present = values[index]
+            if present.target is not aten.cat.default:
+                raise PipelineError(f"paged: output '{sig.name}' is not the kv-cache concatenation")
+            values[index] = present.args[0][1]  # the step's own K/V: the runtime writes them into their slots
+            new_outputs.append(TensorSig(sig.name.replace("present_", "new_"), new_dims, "float32"))
+        else:
+            new_outputs.append(sig)
+    output.args = (tuple(values),)
+    known = {sig.name: sig for sig in program.inputs if sig.name not in replaced} | signatures
+    program.inputs = [known[n.name] for n in graph.nodes if n.op == "placeholder"]
+    program.outputs = new_outputs
+    program.spec.notes.append(f"paged: block size {block_size}")
+    return program

@@ -1,0 +1,56 @@
+"""The paged KV pool: per layer one K and one V array of [num_blocks, block_size, kv_heads, head_dim], fed to the
+model as inputs (ONNX Runtime reads numpy inputs in place) and written slot by slot with each step's new K/V."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from fxllm.errors import GenerationError
+
+UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(value: int | str) -> int:
+    """256MB, 1.5GiB, 4096 → bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if not match or match.group(2).upper() not in UNITS:
+        raise GenerationError(f"cannot read '{value}' as a memory size (examples: 256MB, 1GiB, 4096)")
+    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
+
+
+class PagedKVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int):
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.block_size = block_size
+        self.keys = [np.zeros(shape, np.float32) for _ in range(num_layers)]
+        self.values = [np.zeros(shape, np.float32) for _ in range(num_layers)]
+
+    @staticmethod
+    def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * 4
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        feeds = {f"key_cache_{i}": k for i, k in enumerate(self.keys)}
+        feeds.update({f"value_cache_{i}": v for i, v in enumerate(self.values)})
+        return feeds
+
+    def write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
+        """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset)."""
+        blocks, offsets = np.divmod(slots, self.block_size)
+        for i, (keys, values) in enumerate(zip(self.keys, self.values)):
+            keys[blocks, offsets] = outputs[f"new_key_{i}"].transpose(0, 2, 1, 3)
+            values[blocks, offsets] = outputs[f"new_value_{i}"].transpose(0, 2, 1, 3)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate source blocks into their new private blocks."""
+        for source, target in pairs:
+            for array in self.keys + self.values:
+                array[target] = array[source]
