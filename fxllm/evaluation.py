@@ -22,12 +22,12 @@ from fxllm.runtime.artifact import MANIFEST
 class Scorer:
     """Full-window logits from either a compiled artifact (ONNX Runtime) or a source model (transformers, fp32)."""
 
-    def __init__(self, model: str | os.PathLike):
+    def __init__(self, model: str | os.PathLike, int8_activations: bool | None = None):
         self.name = str(model)
         if (Path(model) / MANIFEST).is_file():
             from fxllm.runtime.engine import Engine
 
-            self.engine = Engine.load(model)
+            self.engine = Engine.load(model, int8_activations=int8_activations)
             self.tokenizer = self.engine.tokenizer
             self.max_context = self.engine.max_context
             self.kind = "artifact"
@@ -82,13 +82,18 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def evaluate(model: str, text_path: str | os.PathLike, ctx: int = 512, max_tokens: int | None = None,
-             reference: str | None = None) -> EvalReport:
+             reference: str | None = None, int8_activations: bool | None = None) -> EvalReport:
+    """Perplexity of `model` on a text file (or a named public-domain text: 'britannica')."""
+    from fxllm.compiler.datasets import dataset_names, dataset_path
+
+    if str(text_path) in dataset_names() and not Path(text_path).exists():
+        text_path = dataset_path(str(text_path))
     path = Path(text_path)
     if not path.is_file():
         raise ModelSourceError(f"text file '{text_path}' does not exist")
     if ctx < 2:
         raise FxllmError(f"--ctx must be at least 2, got {ctx}")
-    scorer = Scorer(model)
+    scorer = Scorer(model, int8_activations)
     if ctx > scorer.max_context:
         raise FxllmError(f"--ctx {ctx} exceeds the model's context of {scorer.max_context} tokens")
     ids = scorer.tokenizer(path.read_text(encoding="utf-8"))["input_ids"]

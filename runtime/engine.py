@@ -69,23 +69,30 @@ class Engine:
         self.max_tokens_per_step = 512
         self.prefix_caching = True
         self._batcher = None
+        self.speculator = None  # a SpeculativeDecoder when the artifact holds a draft
 
     @classmethod
     def load(cls, path: str | os.PathLike, threads: int | None = None, providers: list[str] | None = None,
              verify: bool = True, backend: str = "onnxruntime", kv_cache_memory: int | str | None = None,
              kv_blocks: int | None = None, max_batch: int = 64, max_tokens_per_step: int = 512,
-             prefix_caching: bool = True) -> Engine:
+             prefix_caching: bool = True, int8_activations: bool | None = None, speculative: bool = True,
+             spec_k: int | None = None) -> Engine:
         """backend: "onnxruntime" (any artifact, any machine) or "tensorrt" (an artifact with engine.plan).
         Paged artifacts: the KV pool holds `kv_blocks` blocks, or as many as fit in `kv_cache_memory` bytes (e.g.
         "256MB"; default 512 MiB, at least one full-context sequence); `max_batch` requests run at once and a
         step computes at most `max_tokens_per_step` tokens; `prefix_caching` shares full KV blocks between requests
-        with a common prompt prefix."""
+        with a common prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize activations to
+        int8 (faster, slightly less exact); default: what the artifact recommends (on for quantized artifacts).
+        Artifacts compiled with a draft decode speculatively unless speculative=False; spec_k overrides their k."""
         directory = Path(path)
         manifest = read_manifest(directory, verify=verify)
         if "kv-cache" not in manifest.get("facts", []):
             raise ArtifactError(f"artifact '{directory}' was compiled without the kv-cache pass; recompile it")
         if backend == "onnxruntime":
-            runner = OrtBackend(directory / manifest["model_file"], threads=threads, providers=providers)
+            if int8_activations is None:
+                int8_activations = bool(manifest.get("runtime", {}).get("int8_activations", False))
+            runner = OrtBackend(directory / manifest["model_file"], threads=threads, providers=providers,
+                                int8_activations=int8_activations)
         elif backend == "tensorrt":
             from fxllm.runtime.backend_trt import TrtBackend
 
@@ -104,7 +111,25 @@ class Engine:
         engine.prefix_caching = prefix_caching
         if engine.paged:
             engine.batcher()  # sizes the pool now, so a bad KV budget fails at load time
+        plan = manifest.get("speculative")
+        if plan and speculative:
+            engine.speculator = engine._speculator(plan, spec_k, threads, providers, verify, int8_activations)
         return engine
+
+    def _speculator(self, plan: dict[str, Any], spec_k: int | None, threads, providers, verify, int8_activations):
+        from fxllm.compiler.draft import MAX_SPEC_K
+        from fxllm.runtime.speculative_decoder import SpeculativeDecoder
+
+        k = plan["k"] if spec_k is None else spec_k
+        if not 1 <= k <= MAX_SPEC_K:
+            raise GenerationError(f"spec_k must be between 1 and {MAX_SPEC_K}, got {k}")
+        if self.paged:
+            raise ArtifactError("speculative decoding runs on the contiguous KV cache; compile without `paged`")
+        draft = None
+        if plan.get("draft"):
+            draft = Engine.load(self.directory / plan["draft"], threads=threads, providers=providers, verify=verify,
+                                int8_activations=int8_activations)
+        return SpeculativeDecoder(self, draft, plan["mode"], k)
 
     # -- paged KV cache -------------------------------------------------------------------------------------------
 
@@ -239,6 +264,25 @@ class Engine:
                   params: SamplingParams) -> Iterator[tuple[int, str]]:
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if self.speculator is not None:
+            start = time.perf_counter()
+            yield from self.speculator.run(sequences, max_new_tokens, params)
+            stats = self.speculator.stats
+            self.last_metrics = {"speculative": self.speculator.mode, "k": self.speculator.k,
+                                 "proposed": stats.proposed, "accepted": stats.accepted,
+                                 "acceptance_rate": round(stats.acceptance_rate, 4),
+                                 "target_calls": stats.target_calls,
+                                 "tokens_per_target_call": round(stats.tokens_per_target_call, 3),
+                                 "draft_s": round(stats.draft_time_s, 4), "verify_s": round(stats.verify_time_s, 4)}
+            wall = time.perf_counter() - start
+            generated = sum(len(seq.result.token_ids) for seq in sequences)
+            self.last_timings = {"wall_ms": round(wall * 1e3, 3), "tokens_per_s": round(generated / wall, 2),
+                                 "batch": len(sequences), "prefill_ms": 0.0, "decode_ms_per_token":
+                                 round(wall * 1e3 / max(generated, 1), 3)}
+            for seq in sequences:
+                seq.result.text = seq.detokenizer.text
+                seq.result.timings = dict(self.last_timings)
+            return
         if not self.paged:
             yield from self._decode(sequences, max_new_tokens, params)
             return

@@ -43,3 +43,9 @@ class ContiguousKVCache:
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys + self.values)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` positions (speculative decoding rolls back rejected draft tokens)."""
+        if length < self.length:
+            self.keys = [k[:, :, :length] for k in self.keys]
+            self.values = [v[:, :, :length] for v in self.values]

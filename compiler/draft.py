@@ -1,0 +1,82 @@
+"""Draft models for speculative decoding: what `--draft` names, checked before any work, and how each is built.
+
+- a model (HF directory, .gguf, built-in name): compiled through the default pipeline; it must tokenize exactly
+  like the target (same vocabulary size, same ids for a probe text), since draft and target probabilities are
+  compared token by token;
+- `self-int4`: the target itself, quantized (int4, round-to-nearest, group 32: no calibration, so it compiles fast);
+- `self-layers:N`: the target's first N layers plus its final norm and lm_head (early exit);
+- `ngram`: no draft model; the runtime proposes continuations of earlier n-gram matches (prompt lookup).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxllm.compiler.pipeline import DEFAULT_PIPELINE
+from fxllm.errors import ModelSourceError, PipelineError
+
+MAX_SPEC_K = 16
+SELF_INT4_PASSES = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + \
+    ",quantize:method=int4-rtn;group_size=32,kv-cache"
+PROBE_TEXT = "Speculative decoding checks a draft's tokens: ünïcödé, 12345, def f(x): return x ** 2\n\tThe end."
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    mode: str  # "model" | "self-int4" | "self-layers" | "ngram"
+    model: str | None = None  # the draft model's source (mode "model")
+    layers: int | None = None  # mode "self-layers"
+
+    @property
+    def compiled(self) -> bool:
+        return self.mode != "ngram"
+
+    def describe(self) -> str:
+        return {"model": f"model {self.model}", "self-layers": f"self-layers:{self.layers}"}.get(self.mode, self.mode)
+
+
+def parse_draft(text: str, k: int) -> DraftSpec:
+    if not 1 <= k <= MAX_SPEC_K:
+        raise PipelineError(f"--spec-k must be between 1 and {MAX_SPEC_K}, got {k}")
+    if text in ("self-int4", "ngram"):
+        return DraftSpec(text)
+    if text.startswith("self-layers"):
+        _, _, count = text.partition(":")
+        if not count.isdigit() or int(count) < 1:
+            raise PipelineError(f"--draft self-layers:N needs a layer count N >= 1, got '{text}'")
+        return DraftSpec("self-layers", layers=int(count))
+    return DraftSpec("model", model=text)
+
+
+def check_layers(spec: DraftSpec, target_layers: int) -> None:
+    if spec.mode == "self-layers" and spec.layers >= target_layers:
+        raise PipelineError(f"--draft self-layers:{spec.layers} must keep fewer layers than the target's "
+                            f"{target_layers}")
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
+    target_ids = target_tokenizer(PROBE_TEXT)["input_ids"]
+    draft_ids = draft_tokenizer(PROBE_TEXT)["input_ids"]
+    if len(target_tokenizer) != len(draft_tokenizer) or target_ids != draft_ids:
+        raise ModelSourceError(
+            f"draft '{draft_name}' tokenizes differently from the target (vocabulary {len(draft_tokenizer)} vs "
+            f"{len(target_tokenizer)}; probe ids {draft_ids[:8]}... vs {target_ids[:8]}...); speculative decoding "
+            "needs the same tokenizer")
+
+
+def check_same_vocab(target_vocab: int, draft_vocab: int, draft_name: str) -> None:
+    if target_vocab != draft_vocab:
+        raise ModelSourceError(f"draft '{draft_name}' has {draft_vocab} output logits, the target {target_vocab}; "
+                               "speculative decoding compares their distributions token by token")
+
+
+def truncate_layers(model, layers: int):
+    """Keep the first `layers` decoder layers (the final norm and lm_head stay): the self-layers draft."""
+    decoder = getattr(model, "model", None)
+    if decoder is None or not hasattr(decoder, "layers"):
+        raise PipelineError(f"self-layers drafts need a decoder with .model.layers; {type(model).__name__} has none")
+    decoder.layers = decoder.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    return model

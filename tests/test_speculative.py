@@ -1,0 +1,85 @@
+"""Speculative decoding end to end: every draft mode reproduces the target's greedy tokens; bad drafts and k fail
+clearly. (The sampling rule itself is proven lossless by the chi-square test in test_speculative_sampling.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxllm
+from fxllm.errors import FxllmError, ModelSourceError, PipelineError
+from tests.conftest import PROMPTS, tiny_config
+
+EIGHT_PROMPTS = PROMPTS + [f"{p} {p}" for p in PROMPTS]  # the second half repeats itself: n-gram drafts get hits
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(make_tiny_artifact):
+    engine = fxllm.load(make_tiny_artifact("llama"))
+    return [engine.generate(p, max_new_tokens=64).token_ids for p in EIGHT_PROMPTS]
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self-layers:1", "self-int4"])
+def test_greedy_output_is_the_targets(draft, make_tiny_model, greedy_reference, tmp_path):
+    artifact = tmp_path / draft.replace(":", "-")
+    fxllm.compile(make_tiny_model("llama"), artifact, draft=draft, spec_k=4)
+    engine = fxllm.load(artifact)
+    results = engine.generate(EIGHT_PROMPTS, max_new_tokens=64)
+    assert [r.token_ids for r in results] == greedy_reference
+    metrics = engine.last_metrics
+    assert metrics["speculative"] == draft.split(":")[0] and metrics["target_calls"] > 0
+    if draft == "self-int4":  # a close draft: most proposals accepted, several tokens per target call
+        assert metrics["acceptance_rate"] > 0.3 and metrics["tokens_per_target_call"] > 1.5
+    plain = fxllm.load(artifact, speculative=False)
+    assert plain.generate(EIGHT_PROMPTS[0], max_new_tokens=16).token_ids == greedy_reference[0][:16]
+
+
+def test_sampling_is_seeded_and_uses_the_draft(make_tiny_model, tmp_path):
+    artifact = tmp_path / "sampled"
+    fxllm.compile(make_tiny_model("llama"), artifact, draft="self-int4", spec_k=3)
+    engine = fxllm.load(artifact)
+    first = engine.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7).token_ids
+    assert engine.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7).token_ids == first
+    assert len(first) == 24 and engine.last_metrics["proposed"] > 0
+
+
+def test_bad_drafts_and_k(make_tiny_model, tokenizer, tmp_path_factory, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = make_tiny_model("llama")
+    for k in (0, 100):
+        with pytest.raises(PipelineError, match="--spec-k must be between 1 and 16"):
+            fxllm.compile(target, tmp_path / f"k{k}", draft="ngram", spec_k=k)
+    with pytest.raises(PipelineError, match="self-layers:2 must keep fewer layers than the target's 2"):
+        fxllm.compile(target, tmp_path / "layers", draft="self-layers:2")
+    with pytest.raises(PipelineError, match="self-layers:N needs a layer count"):
+        fxllm.compile(target, tmp_path / "layers-x", draft="self-layers:x")
+
+    other_tokenizer = tmp_path_factory.mktemp("other-tokenizer")
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(other_tokenizer)
+    tokenizer.save_pretrained(other_tokenizer)
+    from transformers import AutoTokenizer
+
+    changed = AutoTokenizer.from_pretrained(other_tokenizer)
+    changed.add_tokens(["<extra_token_0>", "<extra_token_1>"])
+    changed.save_pretrained(other_tokenizer)
+    with pytest.raises(ModelSourceError, match="tokenizes differently from the target"):
+        fxllm.compile(target, tmp_path / "other", draft=str(other_tokenizer))
+
+    bigger_vocab = tmp_path_factory.mktemp("bigger-vocab")
+    config = tiny_config("llama")
+    config.vocab_size += 64
+    AutoModelForCausalLM.from_config(config).save_pretrained(bigger_vocab)
+    tokenizer.save_pretrained(bigger_vocab)
+    with pytest.raises(ModelSourceError, match="output logits"):
+        fxllm.compile(target, tmp_path / "vocab", draft=str(bigger_vocab))
+    assert not (tmp_path / "vocab").exists()  # nothing half-written
+
+
+def test_spec_k_override_is_checked(make_tiny_model, tmp_path):
+    artifact = tmp_path / "ngram"
+    fxllm.compile(make_tiny_model("llama"), artifact, draft="ngram", spec_k=2)
+    assert fxllm.load(artifact, spec_k=6).speculator.k == 6
+    with pytest.raises(FxllmError, match="spec_k must be between 1 and 16"):
+        fxllm.load(artifact, spec_k=17)
