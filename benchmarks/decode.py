@@ -16,6 +16,9 @@ compiled with that pass list, and transformers eager unless --skip-transformers.
     .venv/bin/python benchmarks/decode.py --variant "no-gqa=cleanup,fuse-projections,select-logits,kv-cache" \\
         --contexts 64,1024 --repeats 3 --skip-transformers        # the default pipeline against it without gqa
     .venv/bin/python benchmarks/decode.py --model DIR_OR_GGUF --artifact ARTIFACT --json results.json
+    .venv/bin/python benchmarks/decode.py --skip-transformers --ortgenai int4 \
+        --variant "int4-gptq=cleanup,gqa,fuse-projections,select-logits,quantize:method=int4-gptq,kv-cache"
+                                                                  # quantized rows against onnxruntime-genai int4
 
 Without --artifact, the default row's model is compiled with the default pipeline into
 ~/.cache/fxllm/bench/<model> on the first run; a variant's goes to ~/.cache/fxllm/bench/<model>--<NAME>--<hash of
@@ -51,6 +54,7 @@ DEFAULT_PROMPT = ("The history of the printing press begins in the fifteenth cen
 CACHE_DIR = Path.home() / ".cache" / "fxllm" / "bench"
 DEFAULT_SYSTEM = "fxllm (default pipeline)"
 BASELINE = "transformers eager (sdpa)"
+ORTGENAI = "onnxruntime-genai"
 VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -88,6 +92,7 @@ class Measurement:
     runs_ms_per_token: list[float]
     token_ids: list[int]
     kv_bytes_per_token: int | None = None  # fxllm rows: from the artifact's spec (float32 K and V, all layers)
+    model_bytes: int | None = None  # the model files on disk (fxllm: the artifact's ONNX and weights)
 
     @property
     def tokens_per_s(self) -> float:
@@ -146,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="one table per N: the prompt repeated to about N tokens")
     contexts.add_argument("--context", type=parse_context, dest="contexts", metavar="N", help="same as --contexts N")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--ortgenai", action="append", default=[], metavar="VARIANT",
+                        help="also measure onnxruntime-genai's model builder output VARIANT (int4, int4-float-head, "
+                             "int4-int8-head, fp32; repeatable), built once with benchmarks/ortgenai_baseline.py in a "
+                             "venv of its own (see that file); the first one is the 'vs ortgenai' reference")
+    parser.add_argument("--ortgenai-python", help="python of the onnxruntime-genai venv (default /work/ortgenai-venv)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     return parser
 
@@ -275,6 +285,8 @@ def fxllm_runner(variant: Variant, threads: int) -> Runner:
 
         measurement = repeated(variant.system, run_once, work.repeats)
         measurement.kv_bytes_per_token = variant.kv_bytes_per_token
+        measurement.model_bytes = sum(f["bytes"] for name, f in variant.manifest["files"].items()
+                                      if not name.startswith("tokenizer"))
         return measurement
 
     return measure
@@ -305,6 +317,21 @@ def transformers_runner(source: ModelSource, threads: int) -> Runner:
             return Run(first_ms, (total_ms - first_ms) / (work.new_tokens - 1), tokens)
 
         return repeated(BASELINE, run_once, work.repeats)
+
+    return measure
+
+
+def ortgenai_runner(variant: str, python: str | None, threads: int) -> Runner:
+    """onnxruntime-genai (its own venv, through subprocess): the same prompt ids, greedy, no early stop."""
+    import ortgenai_baseline
+
+    model_dir = ortgenai_baseline.ensure_model(variant, python, threads=threads)
+
+    def measure(work: Workload) -> Measurement:
+        result = ortgenai_baseline.measure(model_dir, python, prompt_ids=work.prompt_ids, new_tokens=work.new_tokens,
+                                           repeats=work.repeats, threads=threads)
+        return Measurement(f"{ORTGENAI} {variant}", result["ms_per_token"], result["prefill_ms"],
+                           result["runs_ms_per_token"], result["tokens"], model_bytes=result["model_bytes"])
 
     return measure
 
@@ -357,20 +384,31 @@ def greedy_verdicts(measurements: list[Measurement]) -> dict[str, dict[str, str]
     return verdicts
 
 
+def ortgenai_reference(measurements: list[Measurement]) -> Measurement | None:
+    """The first onnxruntime-genai row: fxllm rows report their ms/token relative to it."""
+    return next((m for m in measurements if m.system.startswith(ORTGENAI)), None)
+
+
 def format_ratio(value: float | None) -> str:
     return f"{value:.2f}x" if value else "n/a"
 
 
 def format_table(measurements: list[Measurement]) -> str:
     header = ["system", "ms/token", "prefill ms", "tokens/s", "vs default", "speedup vs transformers",
-              "KV cache bytes/token"]
+              "KV cache bytes/token", "model MB"]
     default, baseline = find(measurements, DEFAULT_SYSTEM), find(measurements, BASELINE)
-    rows = [
-        [m.system, f"{m.ms_per_token:.1f}", f"{m.prefill_ms:.1f}", f"{m.tokens_per_s:.1f}",
-         format_ratio(ms_ratio(m, default)), format_ratio(ms_ratio(baseline, m)),
-         f"{m.kv_bytes_per_token:,}" if m.kv_bytes_per_token else "n/a"]
-        for m in measurements
-    ]
+    genai = ortgenai_reference(measurements)
+    if genai:
+        header.insert(5, f"vs {genai.system}")
+    rows = []
+    for m in measurements:
+        row = [m.system, f"{m.ms_per_token:.1f}", f"{m.prefill_ms:.1f}", f"{m.tokens_per_s:.1f}",
+               format_ratio(ms_ratio(m, default)), format_ratio(ms_ratio(baseline, m)),
+               f"{m.kv_bytes_per_token:,}" if m.kv_bytes_per_token else "n/a",
+               f"{m.model_bytes / 1e6:.0f}" if m.model_bytes else "n/a"]
+        if genai:
+            row.insert(5, format_ratio(ms_ratio(m, genai)))
+        rows.append(row)
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -390,6 +428,7 @@ def context_results(context: int | None, work: Workload, measurements: list[Meas
         "prompt_tokens": len(work.prompt_ids),
         "measurements": [
             {**asdict(m), "tokens_per_s": m.tokens_per_s, "vs_default": ms_ratio(m, default),
+             "vs_ortgenai": ms_ratio(m, ortgenai_reference(measurements)),
              "speedup_vs_transformers": ms_ratio(baseline, m), "greedy": verdicts.get(m.system, {})}
             for m in measurements
         ],
@@ -423,6 +462,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for work in workloads:
         check_fits(work, variants, parser)
     runners = [fxllm_runner(variant, args.threads) for variant in variants]
+    runners += [ortgenai_runner(variant, args.ortgenai_python, args.threads) for variant in args.ortgenai]
     if not args.skip_transformers:
         runners.append(transformers_runner(source, args.threads))
     env = environment()

@@ -21,13 +21,15 @@ class OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, model_path: Path, threads: int | None = None, providers: list[str] | None = None,
-                 int8_activations: bool = False):
+                 int8_activations: bool = False, spin: bool = True):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or os.cpu_count() or 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
+        if not spin:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         # ORT fuses DequantizeLinear → MatMul into MatMulNBits. Accuracy level 4 quantizes its activations to int8
         # per block (fast int8 dot products; what onnxruntime-genai uses on CPU); level 0 keeps them float, exactly
         # the math of the compiler's drift report, but runs int8 weights ~75x slower (measured: README).

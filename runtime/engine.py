@@ -76,23 +76,26 @@ class Engine:
              verify: bool = True, backend: str = "onnxruntime", kv_cache_memory: int | str | None = None,
              kv_blocks: int | None = None, max_batch: int = 64, max_tokens_per_step: int = 512,
              prefix_caching: bool = True, int8_activations: bool | None = None, speculative: bool = True,
-             spec_k: int | None = None) -> Engine:
+             spec_k: int | None = None, spin: bool = True) -> Engine:
         """backend: "onnxruntime" (any artifact, any machine) or "tensorrt" (an artifact with engine.plan).
         Paged artifacts: the KV pool holds `kv_blocks` blocks, or as many as fit in `kv_cache_memory` bytes (e.g.
         "256MB"; default 512 MiB, at least one full-context sequence); `max_batch` requests run at once and a
         step computes at most `max_tokens_per_step` tokens; `prefix_caching` shares full KV blocks between requests
         with a common prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize activations to
         int8 (faster, slightly less exact); default: what the artifact recommends (on for quantized artifacts).
-        Artifacts compiled with a draft decode speculatively unless speculative=False; spec_k overrides their k."""
+        Artifacts compiled with a draft decode speculatively unless speculative=False; spec_k overrides their k.
+        spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs)."""
         directory = Path(path)
         manifest = read_manifest(directory, verify=verify)
         if "kv-cache" not in manifest.get("facts", []):
             raise ArtifactError(f"artifact '{directory}' was compiled without the kv-cache pass; recompile it")
         if backend == "onnxruntime":
-            if int8_activations is None:
-                int8_activations = bool(manifest.get("runtime", {}).get("int8_activations", False))
+            recommended = bool(manifest.get("runtime", {}).get("int8_activations", False))
+            # Target and draft sessions alternate on the same cores: threads spinning after one session's call
+            # would slow the other's (measured: a 5-token verify 105 ms alternating vs 41 ms without spinning).
             runner = OrtBackend(directory / manifest["model_file"], threads=threads, providers=providers,
-                                int8_activations=int8_activations)
+                                int8_activations=recommended if int8_activations is None else int8_activations,
+                                spin=spin and not (speculative and manifest.get("speculative")))
         elif backend == "tensorrt":
             from fxllm.runtime.backend_trt import TrtBackend
 
@@ -128,7 +131,7 @@ class Engine:
         draft = None
         if plan.get("draft"):
             draft = Engine.load(self.directory / plan["draft"], threads=threads, providers=providers, verify=verify,
-                                int8_activations=int8_activations)
+                                int8_activations=int8_activations, spin=False)
         return SpeculativeDecoder(self, draft, plan["mode"], k)
 
     # -- paged KV cache -------------------------------------------------------------------------------------------
@@ -276,9 +279,10 @@ class Engine:
                                  "draft_s": round(stats.draft_time_s, 4), "verify_s": round(stats.verify_time_s, 4)}
             wall = time.perf_counter() - start
             generated = sum(len(seq.result.token_ids) for seq in sequences)
+            prefill = self.speculator.prefill_s
             self.last_timings = {"wall_ms": round(wall * 1e3, 3), "tokens_per_s": round(generated / wall, 2),
-                                 "batch": len(sequences), "prefill_ms": 0.0, "decode_ms_per_token":
-                                 round(wall * 1e3 / max(generated, 1), 3)}
+                                 "batch": len(sequences), "prefill_ms": round(prefill * 1e3, 3),
+                                 "decode_ms_per_token": round((wall - prefill) * 1e3 / max(generated - 1, 1), 3)}
             for seq in sequences:
                 seq.result.text = seq.detokenizer.text
                 seq.result.timings = dict(self.last_timings)

@@ -2,11 +2,13 @@
 
 Policy (one loop iteration): admit waiting requests in arrival order while their tokens fit in free blocks, the
 batch has room, and their prompts fit this iteration's prefill budget of `max_tokens_per_step` tokens (the first
-one always does); prefill each alone, in chunks of at most `max_tokens_per_step` tokens, reusing prefix-cached
-blocks; then run one decode step for every running request. Prefill and decode alternate, so running requests wait
-at most about one budget of prefill per decode step, and a burst of requests fills the decode batch quickly. When a decode step finds no free block, the most recently admitted request is
-preempted: its blocks are freed and it goes back to the front of the queue; on readmission its prompt and the
-tokens it already generated are recomputed (prefix-cache hits make that cheap), so its output is unchanged.
+one always does); prefill each alone, in chunks of at most `max_tokens_per_step` tokens, starting after its
+prefix-cached blocks; then run one decode step for every running request. Prefill and decode alternate: running
+requests wait for about one budget of prefill per decode step (a single prompt longer than the budget is prefilled
+whole, chunk by chunk, before the next decode step), and a burst of requests fills the decode batch quickly. When a decode step finds no
+free block, the most recently admitted request is preempted: its blocks are freed and it goes back to the front of
+the queue; on readmission its prompt and the tokens it already generated are recomputed (prefix-cache hits make
+that cheap), so its output is unchanged.
 """
 
 from __future__ import annotations

@@ -30,9 +30,11 @@ class SpeculativeDecoder:
         self.rule = rule  # tests only: runtime/speculative.py's deliberately wrong rule proves the tests can fail
         self.ngram = NgramProposer(k=k) if mode == "ngram" else None
         self.stats = SpeculativeStats()
+        self.prefill_s = 0.0
 
     def run(self, sequences: list, max_new_tokens: int, params: SamplingParams) -> Iterator[tuple[int, str]]:
         self.stats = SpeculativeStats()
+        self.prefill_s = 0.0  # the target's prompt prefills (the draft's happen inside its first proposal)
         for index, sequence in enumerate(sequences):
             yield from self._sequence(index, sequence, max_new_tokens, params)
 
@@ -44,7 +46,9 @@ class SpeculativeDecoder:
         rng = np.random.default_rng(params.seed)
         tokens = list(sequence.result.prompt_token_ids)
         target_cache = self._cache(self.target)
-        logits = self._forward(self.target, target_cache, tokens, 0)[-1]
+        start = time.perf_counter()
+        logits = self._forward(self.target, target_cache, tokens, 0, all_logits=False)[-1]
+        self.prefill_s += time.perf_counter() - start
         draft_cache = self._cache(self.draft) if self.draft is not None else None
         pending = [sample(self._probs(logits, params), rng) if not params.greedy else int(logits.argmax())]
         while True:
@@ -83,7 +87,7 @@ class SpeculativeDecoder:
         proposals, distributions = [], []
         feed = tokens[cache.length:]
         for _ in range(k):
-            logits = self._forward(self.draft, cache, feed, cache.length)[-1]
+            logits = self._forward(self.draft, cache, feed, cache.length, all_logits=False)[-1]
             probs = self._probs(logits, params) if not params.greedy else None
             token = int(logits.argmax()) if params.greedy else sample(probs, rng)
             proposals.append(token)
@@ -96,9 +100,11 @@ class SpeculativeDecoder:
         return ContiguousKVCache.empty(engine.num_layers, 1, engine.spec["num_kv_heads"], engine.spec["head_dim"])
 
     @staticmethod
-    def _forward(engine, cache: ContiguousKVCache, token_ids: list[int], start: int) -> np.ndarray:
-        """Logits [T, V] for every fed token, appending their K/V to `cache` (which holds `start` tokens)."""
+    def _forward(engine, cache: ContiguousKVCache, token_ids: list[int], start: int, all_logits: bool = True
+                 ) -> np.ndarray:
+        """Logits [T, V] for every fed token (only the last, [1, V], unless all_logits), appending their K/V to
+        `cache` (which holds `start` tokens)."""
         ids = np.asarray([token_ids], dtype=np.int64)
         positions = np.arange(start, start + len(token_ids), dtype=np.int64)[None]
         mask = np.ones((1, start + len(token_ids)), dtype=np.int64)
-        return engine._step(ids, positions, mask, cache, all_logits=True)[0]
+        return engine._step(ids, positions, mask, cache, all_logits=all_logits)[0]
