@@ -3,7 +3,8 @@
 - a model (HF directory, .gguf, built-in name): compiled through the default pipeline; it must tokenize exactly
   like the target (same vocabulary size, same ids for a probe text), since draft and target probabilities are
   compared token by token;
-- `self-int4`: the target itself, quantized (int4, round-to-nearest, group 32: no calibration, so it compiles fast);
+- `self-int4`: the target itself, quantized (int4, round-to-nearest, group 32: no calibration, so it compiles fast),
+  its lm_head too (at batch 1 a small model's float lm_head is a large share of a decode step: a draft must be cheap);
 - `self-layers:N`: the target's first N layers plus its final norm and lm_head (early exit);
 - `ngram`: no draft model; the runtime proposes continuations of earlier n-gram matches (prompt lookup).
 """
@@ -17,7 +18,7 @@ from fxllm.errors import ModelSourceError, PipelineError
 
 MAX_SPEC_K = 16
 SELF_INT4_PASSES = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + \
-    ",quantize:method=int4-rtn;group_size=32,kv-cache"
+    ",quantize:method=int4-rtn;group_size=32;lm_head=int4,kv-cache"
 PROBE_TEXT = "Speculative decoding checks a draft's tokens: ünïcödé, 12345, def f(x): return x ** 2\n\tThe end."
 
 

@@ -26,3 +26,20 @@ def status(message: str) -> None:
     """One line on stderr for a phase that has no natural unit of progress (export, lowering)."""
     if not os.environ.get("FXLLM_QUIET"):
         print(message, file=sys.stderr, flush=True)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def counter(total: int, **kwargs):
+    """A progress bar advanced by hand (bar.update(n)); a silent stand-in when bars are off."""
+    if not enabled():
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, leave=False, **kwargs)

@@ -18,17 +18,18 @@ from fxllm.compiler.calibration import calibration_tokens, read_calibration_text
 from fxllm.compiler.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program
-from fxllm.compiler.progress import progress
+from fxllm.compiler.progress import counter, progress
 from fxllm.compiler.projections import constant, drop_unused_attributes
 from fxllm.compiler.quant_math import QuantFormat, dequantize_codes, relative_error, round_to_nearest
 from fxllm.compiler.quant_folding import input_scale_folder
 from fxllm.passes.fuse_projections import FUSED_FROM
-from fxllm.errors import PipelineError
+from fxllm.errors import FxllmError, PipelineError
 
 aten = torch.ops.aten
 Node = torch.fx.Node
 METHODS = ("int8", "int4-rtn", "int4-gptq", "int4-awq")
 CALIBRATED = ("int4-gptq", "int4-awq")
+REPORT_SAMPLES = 4  # calibration samples the data-free methods use for their per-layer output errors
 SIDE_MODES = ("float", "int8", "int4")  # lm_head and embedding
 
 
@@ -65,6 +66,8 @@ def quantize(program: Program, *, method: str = "int8", group_size: int = 128, l
             raise PipelineError(f"quantize: method {method} needs calibration text, and this program has no tokenizer")
         text, source = read_calibration_text(calib)
         tokens = calibration_tokens(program.tokenizer, text, samples, seq_len, source)
+    elif program.tokenizer is not None:
+        tokens = _report_tokens(program, calib, min(samples, REPORT_SAMPLES), seq_len)
     results = _quantize_all(program, formats, method, tokens, damp, act_order, mse)
     layers = [_layer_report(r) for r in results]
     for index, result in enumerate(results):
@@ -74,11 +77,21 @@ def quantize(program: Program, *, method: str = "int8", group_size: int = 128, l
     drop_unused_attributes(program)
     program.spec.notes.append(
         f"quantize: {method}" + (f", group size {group_size}" if method != "int8" else ", per channel")
-        + f", lm_head {lm_head}, embedding {embedding}" + (f", calibration {calib} {samples}x{seq_len}" if tokens is
-                                                            not None else ""))
+        + f", lm_head {lm_head}, embedding {embedding}" + (f", calibration {calib} {samples}x{seq_len}" if method in
+                                                            CALIBRATED else ""))
     program.diagnostics = {"layers": layers,
                            "seconds": round(time.perf_counter() - start, 2)}
     return program
+
+
+def _report_tokens(program: Program, calib: str, samples: int, seq_len: int) -> torch.Tensor | None:
+    """A few calibration samples on which data-free methods report each layer's output error; None (no report)
+    when no text is at hand — rounding itself needs none, so this never fails the compile."""
+    try:
+        text, source = read_calibration_text(calib)
+        return calibration_tokens(program.tokenizer, text, samples, seq_len, source)
+    except FxllmError:
+        return None
 
 
 def _check_options(method: str, group_size: int, lm_head: str, embedding: str) -> None:
@@ -113,21 +126,30 @@ def _quantize_all(program: Program, formats: dict[Node, QuantFormat], method: st
             results.append(_with_errors(QuantizedLinear(node, codes, scales, formats[node]), weight, None))
         return results
     done: dict[Node, QuantizedLinear] = {}
-    bar = progress(range(len(formats)), desc=f"quantize {method}", unit="layer")
-    bar_iter = iter(bar)
+    bar = counter(len(formats), desc=f"quantize {method}", unit="layer")
 
     def visit(group: list[Node], x: torch.Tensor) -> dict[Node, torch.Tensor]:
         outputs = {}
-        for node, result, x_used in _calibrated_group(program, group, x, formats, method, damp, act_order, mse,
-                                                      done):
+        quantized = (_calibrated_group(program, group, x, formats, method, damp, act_order, mse, done)
+                     if method in CALIBRATED else _rounded_group(program, group, x, formats))
+        for node, result, x_used in quantized:
             done[node] = result
             weight = dequantize_codes(result.codes, result.scales, result.fmt)
             bias = constant(program, node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
             outputs[node] = torch.nn.functional.linear(x_used, weight, bias)
         return outputs
 
-    walk_linears(program, tokens, list(formats), visit, on_done=lambda n: [next(bar_iter, None) for _ in range(n)])
+    walk_linears(program, tokens, list(formats), visit, on_done=bar.update)
+    bar.close()
     return [done[n] for n in formats]
+
+
+def _rounded_group(program: Program, group: list[Node], x: torch.Tensor, formats: dict[Node, QuantFormat]):
+    """Round to nearest (the weights alone decide); x only measures the output error."""
+    for node in group:
+        weight = constant(program, node.args[1]).detach()
+        codes, scales = round_to_nearest(weight, formats[node])
+        yield node, _with_errors(QuantizedLinear(node, codes, scales, formats[node]), weight, x), x
 
 
 def _calibrated_group(program: Program, group: list[Node], x: torch.Tensor, formats: dict[Node, QuantFormat],
