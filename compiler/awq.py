@@ -3,7 +3,7 @@ quantization, W' = W·diag(s), x' = x / s (folded into the op that produces x), 
 
 Scale search: s = mean|x|^α / mean|Ŵ|^(1-α) per input channel (Ŵ: |W| normalised per group), α on a grid over
 [0, 1), normalised so that √(max·min) = 1; the α whose quantized layer output is closest to the float output wins
-(α = 0 with mean|Ŵ| = 1 everywhere is plain round-to-nearest, so AWQ never does worse on the calibration sample).
+(s = 1, plain round-to-nearest, is a candidate too, so the search never does worse than RTN on its sample).
 Clipping search: per (output channel, group), shrink the largest |w| by a ratio in [min_clip, 1] and keep the one
 minimizing that group's output error.
 """
@@ -23,8 +23,8 @@ Tensor = torch.Tensor
 @dataclass(frozen=True)
 class ScaleSearch:
     scales: Tensor  # [in]: divide the input by it, multiply the weight's input channels by it
-    ratio: float  # the chosen α
-    errors: tuple[float, ...]  # output MSE for every α on the grid
+    ratio: float | None  # the chosen α; None when no scaling (s = 1) won
+    errors: tuple[float, ...]  # output MSE with s = 1 (errors[0]), then for every α on the grid
 
 
 def fake_quantize(weight: Tensor, fmt: QuantFormat) -> Tensor:
@@ -48,12 +48,15 @@ def search_scales(inputs: Tensor, weight: Tensor, fmt: QuantFormat, grid: int = 
     x = _spread_rows(x, max_tokens)
     reference = x @ weight.t()
     w_mean = normalized_weight_magnitude(weight, fmt)
-    best: tuple[float, float, Tensor] | None = None
+    best: tuple[float, float | None, Tensor] | None = None
     errors = []
-    for step in range(grid):
-        ratio = step / grid
-        scales = (x_mean.pow(ratio) / w_mean.pow(1 - ratio).clamp_min(1e-4)).clamp_min(1e-4)
-        scales = scales / (scales.max() * scales.min()).sqrt()
+    for step in range(-1, grid):
+        ratio = step / grid if step >= 0 else None  # step -1: s = 1, plain round-to-nearest, always a candidate
+        if ratio is None:
+            scales = torch.ones_like(x_mean)
+        else:
+            scales = (x_mean.pow(ratio) / w_mean.pow(1 - ratio).clamp_min(1e-4)).clamp_min(1e-4)
+            scales = scales / (scales.max() * scales.min()).sqrt()
         quantized = fake_quantize(weight * scales, fmt) / scales
         error = float(((x @ quantized.t() - reference) ** 2).mean())
         errors.append(error)

@@ -1,9 +1,10 @@
 """Calibration for data-aware quantization: token samples from a text, and a walk through the graph that hands
 each linear layer its real inputs, in graph order, after the layers before it were already quantized.
 
-The walk is a torch.fx.Interpreter that pauses at every target linear: `visit(group, x)` receives the linears that
-read the same input x and returns their outputs (computed with the quantized weights), which is what the rest of
-the graph then sees. It stops once the last target is done (the logits of a large vocabulary are never needed).
+The walk is a torch.fx.Interpreter that pauses at every target linear: `visit(group, x, need_outputs)` receives the
+linears that read the same input x and returns their outputs (computed with the quantized weights), which is what
+the rest of the graph then sees. It stops once the last group is quantized, without computing that group's outputs
+(for a quantized lm_head these would be [tokens × vocabulary] logits nobody needs).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fxllm.compiler.program import Program
 from fxllm.errors import PipelineError
 
 Node = torch.fx.Node
-Visit = Callable[[list[Node], torch.Tensor], dict[Node, torch.Tensor]]
+Visit = Callable[[list[Node], torch.Tensor, bool], dict[Node, torch.Tensor]]  # (group, x, outputs needed)
 
 
 def calibration_tokens(tokenizer, text: str, samples: int, seq_len: int, source: str) -> torch.Tensor:
@@ -70,13 +71,13 @@ class _LinearWalk(torch.fx.Interpreter):
             x = self.env[node.args[0]]
             group = [t for t in self.remaining if t.args[0] is node.args[0]]
             group.sort(key=lambda t: t.name)
-            self.ready.update(self.visit(group, x))
+            last = len(group) == len(self.remaining)  # nothing after it is needed (e.g. a quantized lm_head's logits)
+            self.ready.update(self.visit(group, x, not last))
             self.on_done(len(group))
+            if last:
+                raise _Stop
         self.remaining.discard(node)
-        output = self.ready.pop(node)
-        if not self.remaining:
-            raise _Stop
-        return output
+        return self.ready.pop(node)
 
 
 def walk_linears(program: Program, tokens: torch.Tensor, targets: list[Node], visit: Visit,

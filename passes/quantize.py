@@ -4,6 +4,8 @@ before: linear(x, W [out, in], b)
 → after: dequant_linear(x, Q [in, out], S, b, block): int8 per output channel (S [out]) or int4 in blocks of
 `group_size` along the input dim (S [ceil(in/group_size), out]), symmetric, no zero point; in ONNX
 DequantizeLinear → MatMul. Methods: int8, int4-rtn (round to nearest), int4-gptq, int4-awq (calibrated).
+With lm_head=int8|int4 the logits linear too (blocked, also for int8); with embedding=int8|int4:
+embedding(W, ids) → dequant_embedding(codes, scales, ids) (Gather of rows, then DequantizeLinear).
 """
 
 from __future__ import annotations
@@ -86,7 +88,11 @@ def quantize(program: Program, *, method: str = "int8", group_size: int = 128, l
 
 def _report_tokens(program: Program, calib: str, samples: int, seq_len: int) -> torch.Tensor | None:
     """A few calibration samples on which data-free methods report each layer's output error; None (no report)
-    when no text is at hand — rounding itself needs none, so this never fails the compile."""
+    when no text is at hand — rounding itself needs none, so this never fails the compile nor downloads."""
+    from fxllm.compiler.datasets import dataset_cached, dataset_names
+
+    if calib in dataset_names() and not dataset_cached(calib):
+        return None
     try:
         text, source = read_calibration_text(calib)
         return calibration_tokens(program.tokenizer, text, samples, seq_len, source)
@@ -128,12 +134,14 @@ def _quantize_all(program: Program, formats: dict[Node, QuantFormat], method: st
     done: dict[Node, QuantizedLinear] = {}
     bar = counter(len(formats), desc=f"quantize {method}", unit="layer")
 
-    def visit(group: list[Node], x: torch.Tensor) -> dict[Node, torch.Tensor]:
+    def visit(group: list[Node], x: torch.Tensor, need_outputs: bool) -> dict[Node, torch.Tensor]:
         outputs = {}
         quantized = (_calibrated_group(program, group, x, formats, method, damp, act_order, mse, done)
                      if method in CALIBRATED else _rounded_group(program, group, x, formats))
         for node, result, x_used in quantized:
             done[node] = result
+            if not need_outputs:
+                continue
             weight = dequantize_codes(result.codes, result.scales, result.fmt)
             bias = constant(program, node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
             outputs[node] = torch.nn.functional.linear(x_used, weight, bias)
@@ -173,7 +181,10 @@ def _calibrated_group(program: Program, group: list[Node], x: torch.Tensor, form
     for node, weight in weights.items():
         scaled = weight * search.scales if search is not None else weight
         codes, scales = clip_and_quantize(x, scaled, formats[node])
-        note = f"awq α={search.ratio:.2f}" if search is not None else "awq clipping only (input scale not foldable)"
+        if search is None:
+            note = "awq clipping only (input scale not foldable)"
+        else:
+            note = f"awq α={search.ratio:.2f}" if search.ratio is not None else "awq s=1 (no scaling won)"
         result = QuantizedLinear(node, codes, scales, formats[node], note=note)
         yield node, _with_errors(result, weight, x, search.scales if search is not None else None), x
 

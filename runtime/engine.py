@@ -160,9 +160,11 @@ class Engine:
             else:
                 blocks = max(DEFAULT_KV_BUDGET // block_bytes, -(-self.max_context // self.block_size))
             if blocks < 1:
+                budget = f"kv_blocks={self.kv_blocks}" if self.kv_blocks is not None else \
+                    f"a KV budget of {self.kv_cache_memory}"
                 raise GenerationError(
-                    f"a KV budget of {self.kv_cache_memory} holds no KV block: one block of {self.block_size} tokens "
-                    f"takes {block_bytes:,} bytes for this model")
+                    f"{budget} holds no KV block: one block of {self.block_size} tokens takes {block_bytes:,} bytes "
+                    "for this model")
             manager = BlockManager(int(blocks), self.block_size, enable_prefix_caching=self.prefix_caching)
             pool = PagedKVPool(self.num_layers, int(blocks), *shape[1:])
             self._batcher = ContinuousBatcher(self, manager, pool, self.max_batch, self.max_tokens_per_step)

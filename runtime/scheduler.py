@@ -88,7 +88,8 @@ class ContinuousBatcher:
     def run(self, sequences: list, max_new_tokens: int, sampler: Sampler) -> Iterator[tuple[int, str]]:
         """Generate for every sequence; yields (sequence index, text delta) as tokens are sampled."""
         for seq in sequences:
-            needed = self.manager.blocks_needed(len(seq.result.prompt_token_ids) + max_new_tokens)
+            longest = min(len(seq.result.prompt_token_ids) + max_new_tokens, self.engine.max_context)
+            needed = self.manager.blocks_needed(longest)
             if needed > self.manager.num_blocks:
                 raise GenerationError(
                     f"a request of {len(seq.result.prompt_token_ids)} prompt + {max_new_tokens} new tokens needs "
@@ -96,8 +97,17 @@ class ContinuousBatcher:
                     f"({self.manager.capacity_tokens} tokens); raise the KV budget or lower max_new_tokens")
         self.metrics = SchedulerMetrics()
         hits_before, queries_before = self.manager.prefix_hits, self.manager.prefix_queries
-        waiting = deque(_Request(i, seq, max_new_tokens) for i, seq in enumerate(sequences))
-        running: list[_Request] = []
+        requests = [_Request(i, seq, max_new_tokens) for i, seq in enumerate(sequences)]
+        try:
+            yield from self._loop(deque(requests), [], sampler)
+        finally:  # also when the caller stops early (a closed stream) or a step fails: leave no blocks behind
+            for request in requests:
+                if request.index in self.manager:
+                    self.manager.free(request.index)
+            self.metrics.prefix_hits = self.manager.prefix_hits - hits_before
+            self.metrics.prefix_queries = self.manager.prefix_queries - queries_before
+
+    def _loop(self, waiting: deque, running: list[_Request], sampler: Sampler) -> Iterator[tuple[int, str]]:
         while waiting or running:
             budget = self.max_tokens_per_step
             while waiting and len(running) < self.max_batch and (
@@ -113,8 +123,6 @@ class ContinuousBatcher:
                 yield from self._decode(running, waiting, sampler)
             elif waiting and not self._admit_possible(waiting[0]):
                 raise GenerationError("no KV blocks free and nothing running: the pool is too small")  # defensive
-            self.metrics.prefix_hits = self.manager.prefix_hits - hits_before
-            self.metrics.prefix_queries = self.manager.prefix_queries - queries_before
 
     # -- admission and prefill ------------------------------------------------------------------------------------
 
@@ -180,7 +188,11 @@ class ContinuousBatcher:
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Logits [T,V] of every position of one sequence (evaluation), through a temporary sequence."""
         seq_id = -1
-        self.manager.allocate(seq_id, token_ids)
+        caching, self.manager.enable_prefix_caching = self.manager.enable_prefix_caching, False
+        try:  # no prefix lookup: every slot is recomputed and written, so none may be shared
+            self.manager.allocate(seq_id, token_ids)
+        finally:
+            self.manager.enable_prefix_caching = caching
         try:
             request = _Request(seq_id, None, 0)
             return self._step([request], [list(token_ids)], [0], all_logits=True)[0]

@@ -59,7 +59,9 @@ class SpeculativeDecoder:
                 if sequence.done:
                     return
             room = max_new_tokens - len(sequence.result.token_ids)
-            k = min(self.k, room - 1)  # never propose past the last token we may emit
+            # never propose past the last token we may emit, nor past either model's context
+            limit = min(self.target.max_context, self.draft.max_context if self.draft is not None else 10**9)
+            k = max(0, min(self.k, room - 1, limit - len(tokens)))
             start = time.perf_counter()
             proposals, draft_probs = self._propose(tokens, draft_cache, k, params, rng)
             self.stats.draft_time_s += time.perf_counter() - start

@@ -77,6 +77,15 @@ def test_prefix_cache_shares_a_system_prompt(paged_artifact, contiguous_tokens):
     assert [alone.generate(p, max_new_tokens=8).token_ids for p in prompts] == first
 
 
+def test_a_stopped_stream_frees_its_blocks(paged_artifact):
+    engine = fxllm.load(paged_artifact)
+    stream = engine.stream(PROMPTS[1], max_new_tokens=20)
+    next(stream)
+    stream.close()  # the caller stops reading: the request's blocks must not stay allocated
+    assert engine.batcher().manager.num_used_blocks == 0
+    assert len(engine.generate(PROMPTS[1], max_new_tokens=4).token_ids) == 4
+
+
 def test_scores_match_the_contiguous_artifact(paged_artifact, make_tiny_artifact):
     ids = fxllm.load(paged_artifact).encode(PROMPTS[1])
     paged_logits = fxllm.load(paged_artifact).score(ids)
