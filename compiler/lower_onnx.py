@@ -95,6 +95,16 @@ def record_origins(path: Path, graph: torch.fx.Graph) -> None:
 INT4_SUFFIX = "_int4_codes"
 
 
+def pack_int4(values) -> bytes:
+    """int values in -8..7 → ONNX INT4 raw bytes: two per byte, the first element in the low nibble."""
+    import numpy as np
+
+    nibbles = (values.astype(np.int8).ravel() & 0x0F).astype(np.uint8)
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+
+
 def pack_int4_weights(path: Path) -> None:
     """4-bit weights are exported as INT8 initializers holding -8..7 (torch has no int4 buffers); the quantize pass
     names them `*_int4_codes`. Where one feeds a blocked DequantizeLinear, store it as packed INT4, two per byte,
@@ -115,7 +125,7 @@ def pack_int4_weights(path: Path) -> None:
             if values.min() < -8 or values.max() > 7:
                 raise UnsupportedModelError(f"initializer '{tensor.name}' feeds a blocked DequantizeLinear but holds "
                                             "values outside int4")
-            packed = helper.make_tensor(tensor.name, TensorProto.INT4, values.shape, values.astype(np.int8).ravel())
+            packed = helper.make_tensor(tensor.name, TensorProto.INT4, values.shape, pack_int4(values), raw=True)
             model.graph.initializer[index].CopyFrom(packed)
     stale = [v for v in model.graph.value_info if v.name in blocked]  # typed INT8 by the exporter
     for value in stale:
