@@ -190,7 +190,7 @@ def prepare_artifact(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 def layout(manifest: dict[str, Any]) -> Layout:
     spec = ModelSpec.from_dict(manifest["spec"])
     block_size = next(sig["dims"][1] for sig in manifest["io"]["inputs"] if sig["name"] == "key_cache_0")
-    return Layout(int(block_size), 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4,
+    return Layout(int(block_size), spec.kv_bytes_per_token(),
                   spec.max_positions, spec.vocab_size)
 
 

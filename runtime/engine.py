@@ -15,7 +15,6 @@ from fxllm.errors import ArtifactError, GenerationError
 from fxllm.runtime.artifact import read_manifest
 from fxllm.runtime.backend_ort import OrtBackend
 from fxllm.runtime.detokenizer import IncrementalDetokenizer
-from fxllm.runtime.inspect import DEFAULT_KV_BUDGET
 from fxllm.runtime.kv_cache import ContiguousKVCache
 from fxllm.runtime.sampler import Sampler, SamplingParams
 
@@ -148,17 +147,17 @@ class Engine:
         """The continuous batcher with its block manager and KV pool, created on first use."""
         if self._batcher is None:
             from fxllm.runtime.block_manager import BlockManager
-            from fxllm.runtime.paged_cache import PagedKVPool, parse_bytes
+            from fxllm.compiler.spec import ModelSpec
+            from fxllm.runtime.paged_cache import PagedKVPool, default_num_blocks, parse_bytes
             from fxllm.runtime.scheduler import ContinuousBatcher
 
-            shape = (self.num_layers, self.block_size, self.spec["num_kv_heads"], self.spec["head_dim"])
-            block_bytes = PagedKVPool.block_bytes(*shape)
+            block_bytes = ModelSpec.from_dict(self.spec).kv_bytes_per_token() * self.block_size
             if self.kv_blocks is not None:
                 blocks = self.kv_blocks
             elif self.kv_cache_memory is not None:
                 blocks = parse_bytes(self.kv_cache_memory) // block_bytes
             else:
-                blocks = max(DEFAULT_KV_BUDGET // block_bytes, -(-self.max_context // self.block_size))
+                blocks = default_num_blocks(block_bytes, self.block_size, self.max_context)
             if blocks < 1:
                 budget = f"kv_blocks={self.kv_blocks}" if self.kv_blocks is not None else \
                     f"a KV budget of {self.kv_cache_memory}"
@@ -166,7 +165,8 @@ class Engine:
                     f"{budget} holds no KV block: one block of {self.block_size} tokens takes {block_bytes:,} bytes "
                     "for this model")
             manager = BlockManager(int(blocks), self.block_size, enable_prefix_caching=self.prefix_caching)
-            pool = PagedKVPool(self.num_layers, int(blocks), *shape[1:])
+            pool = PagedKVPool(self.num_layers, int(blocks), self.block_size, self.spec["num_kv_heads"],
+                               self.spec["head_dim"])
             self._batcher = ContinuousBatcher(self, manager, pool, self.max_batch, self.max_tokens_per_step)
         return self._batcher
 

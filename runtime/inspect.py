@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from fxllm.compiler.spec import ModelSpec
 from fxllm.runtime.artifact import read_manifest
-
-
-DEFAULT_KV_BUDGET = 512 * 2**20  # the engine's default KV pool for paged artifacts (Engine.load)
+from fxllm.runtime.paged_cache import DEFAULT_KV_BUDGET, default_num_blocks
 
 
 def _mb(n: int) -> str:
@@ -18,7 +17,7 @@ def _mb(n: int) -> str:
 def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
     manifest = read_manifest(path, verify=True)
     spec = manifest["spec"]
-    kv_bytes = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * 4
+    kv_bytes = ModelSpec.from_dict(spec).kv_bytes_per_token()
     files = manifest["files"]
     info = {
         "artifact": str(path),
@@ -41,7 +40,7 @@ def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
     if pool is not None:
         block_size = pool["dims"][1]
         block_bytes = kv_bytes * block_size
-        budget = max(DEFAULT_KV_BUDGET // block_bytes, -(-spec["max_positions"] // block_size))
+        budget = default_num_blocks(block_bytes, block_size, spec["max_positions"])
         info["paged"] = {"block_size": block_size, "block_bytes": block_bytes, "default_budget_blocks": budget,
                          "default_budget_tokens": budget * block_size}
     info["text"] = _render(info)

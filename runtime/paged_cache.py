@@ -9,6 +9,7 @@ import numpy as np
 
 from fxllm.errors import GenerationError
 
+DEFAULT_KV_BUDGET = 512 * 2**20  # the pool of a paged artifact when neither a budget nor a block count is given
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -22,16 +23,17 @@ def parse_bytes(value: int | str) -> int:
     return int(float(match.group(1)) * UNITS[match.group(2).upper()])
 
 
+def default_num_blocks(block_bytes: int, block_size: int, max_positions: int) -> int:
+    """Blocks in the default pool: DEFAULT_KV_BUDGET, and never less than one full-context sequence."""
+    return max(DEFAULT_KV_BUDGET // block_bytes, -(-max_positions // block_size))
+
+
 class PagedKVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int):
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.block_size = block_size
         self.keys = [np.zeros(shape, np.float32) for _ in range(num_layers)]
         self.values = [np.zeros(shape, np.float32) for _ in range(num_layers)]
-
-    @staticmethod
-    def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * 4
 
     @property
     def nbytes(self) -> int:
