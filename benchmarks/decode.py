@@ -479,13 +479,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         print(f"wrote {args.json}")
 
 
-def main() -> None:
+def script_main(run_script: Callable[[argparse.Namespace, argparse.ArgumentParser], None],
+                build: Callable[[], argparse.ArgumentParser], name: str) -> None:
+    """A benchmark's entry point: quiet libraries, parse arguments, run; an FxllmError becomes one line."""
     quiet_libraries()
-    parser = build_parser()
+    parser = build()
     try:
-        run(parser.parse_args(), parser)
+        run_script(parser.parse_args(), parser)
     except FxllmError as exc:
-        sys.exit(f"decode.py: error: {exc}")
+        sys.exit(f"{name}: error: {exc}")
+
+
+def main() -> None:
+    script_main(run, build_parser, "decode.py")
 
 
 if __name__ == "__main__":

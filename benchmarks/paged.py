@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ from typing import Any
 import numpy as np
 
 import fxllm
-from decode import CACHE_DIR, ensure_artifact, environment, first_difference, quiet_libraries
+from decode import CACHE_DIR, ensure_artifact, environment, first_difference, script_main
 from fxllm.compiler.sources import resolve_source
 from fxllm.compiler.spec import ModelSpec
 from fxllm.errors import FxllmError
@@ -494,12 +493,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    quiet_libraries()
-    parser = build_parser()
-    try:
-        run(parser.parse_args(), parser)
-    except FxllmError as exc:
-        sys.exit(f"paged.py: error: {exc}")
+    script_main(run, build_parser, "paged.py")
 
 
 if __name__ == "__main__":

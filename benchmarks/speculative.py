@@ -36,18 +36,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decode import CACHE_DIR, environment, first_difference, quiet_libraries
+from decode import CACHE_DIR, environment, first_difference, script_main
 
 import fxllm
 from fxllm.compiler.draft import MAX_SPEC_K, parse_draft
 from fxllm.compiler.sources import resolve_source
-from fxllm.errors import ArtifactError, FxllmError
+from fxllm.errors import ArtifactError
 from fxllm.runtime.artifact import read_manifest
 
 NATURAL_PROMPTS = [
@@ -422,12 +421,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    quiet_libraries()
-    parser = build_parser()
-    try:
-        run(parser.parse_args(), parser)
-    except FxllmError as exc:
-        sys.exit(f"speculative.py: error: {exc}")
+    script_main(run, build_parser, "speculative.py")
 
 
 if __name__ == "__main__":

@@ -53,12 +53,13 @@ def compile_model(
     from fxllm.compiler.lower_onnx import TARGETS, lower_to_onnx
 
     steps = build_pipeline(parse_pipeline(passes), pass_options)
-    if "kv-cache" not in {fact for step in steps for fact in step.info.provides}:
+    provided = {fact for step in steps for fact in step.info.provides}
+    if "kv-cache" not in provided:
         raise PipelineError("the pipeline must include 'kv-cache': the runtime decodes through a KV cache")
     if target not in TARGETS:
         raise PipelineError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
-    if draft_spec is not None and "paged" in {fact for step in steps for fact in step.info.provides}:
+    if draft_spec is not None and "paged" in provided:
         raise PipelineError("--draft needs the contiguous KV cache: speculative decoding does not run on `paged` yet")
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
     if draft_source is not None:

@@ -285,9 +285,7 @@ class Engine:
             self.last_timings = {"wall_ms": round(wall * 1e3, 3), "tokens_per_s": round(generated / wall, 2),
                                  "batch": len(sequences), "prefill_ms": round(prefill * 1e3, 3),
                                  "decode_ms_per_token": round((wall - prefill) * 1e3 / max(generated - 1, 1), 3)}
-            for seq in sequences:
-                seq.result.text = seq.detokenizer.text
-                seq.result.timings = dict(self.last_timings)
+            self._finish(sequences)
             return
         if not self.paged:
             yield from self._decode(sequences, max_new_tokens, params)
@@ -305,9 +303,7 @@ class Engine:
             "batch": len(sequences),
             "wall_ms": round((time.perf_counter() - start) * 1e3, 3),
         }
-        for seq in sequences:
-            seq.result.text = seq.detokenizer.text
-            seq.result.timings = dict(self.last_timings)
+        self._finish(sequences)
 
     def _decode(self, sequences: list[_Sequence], max_new_tokens: int,
                 params: SamplingParams) -> Iterator[tuple[int, str]]:
@@ -359,6 +355,10 @@ class Engine:
             "decode_steps": decode_steps,
             "batch": batch,
         }
+        self._finish(sequences)
+
+    def _finish(self, sequences: list[_Sequence]) -> None:
+        """Every result gets its final text and this run's timings."""
         for seq in sequences:
             seq.result.text = seq.detokenizer.text
             seq.result.timings = dict(self.last_timings)
