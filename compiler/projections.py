@@ -46,7 +46,7 @@ def _weight_and_bias(node: Node) -> tuple[Node, Node | None, bool]:
     return node.args[2], node.args[0], False  # addmm(bias, x, W)
 
 
-def _split_sizes(split: Node) -> list[int]:
+def split_sizes(split: Node) -> list[int]:
     if split.target is aten.split_with_sizes.default:
         return list(split.args[1])
     total = split.args[0].meta["val"].shape[split.args[2] if len(split.args) > 2 else 0]
@@ -85,7 +85,7 @@ def trace_projection(program, node: Node, max_steps: int = 64) -> ProjectionSlic
             dim = split.args[2] if len(split.args) > 2 else 0
             if found_split or dim not in (-1, rank - 1):
                 return None
-            sizes = _split_sizes(split)
+            sizes = split_sizes(split)
             start = sum(sizes[: current.args[1]])
             found_split = (split, start, start + sizes[current.args[1]])
             current = split.args[0]
@@ -118,7 +118,7 @@ def rewrite_projection_slices(program, slices: list[ProjectionSlice],
         weight_node, bias_node, rows = _weight_and_bias(projection)
         split = items[0].split
         if split is not None:
-            sizes = _split_sizes(split)
+            sizes = split_sizes(split)
             bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
         else:
             bounds = [(items[0].start, items[0].stop)]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from fxllm.compiler.projections import SPLITS, _split_sizes, constant
+from fxllm.compiler.projections import SPLITS, split_sizes, constant
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -57,7 +57,7 @@ def _linear_slice(program, node) -> tuple[Node, int, int] | None:
             return None
         if dim != -1 and ("val" not in linear.meta or dim != linear.meta["val"].dim() - 1):
             return None
-        sizes = _split_sizes(split)
+        sizes = split_sizes(split)
         start = sum(sizes[: node.args[1]])
         return linear, start, start + sizes[node.args[1]]
     return None

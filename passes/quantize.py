@@ -157,7 +157,8 @@ def _rounded_group(program: Program, group: list[Node], x: torch.Tensor, formats
     for node in group:
         weight = constant(program, node.args[1]).detach()
         codes, scales = round_to_nearest(weight, formats[node])
-        yield node, _with_errors(QuantizedLinear(node, codes, scales, formats[node]), weight, x), x
+        result = QuantizedLinear(node, codes, scales, formats[node])
+        yield node, _with_errors(result, weight, x, compare_rtn=False), x
 
 
 def _calibrated_group(program: Program, group: list[Node], x: torch.Tensor, formats: dict[Node, QuantFormat],
@@ -190,22 +191,23 @@ def _calibrated_group(program: Program, group: list[Node], x: torch.Tensor, form
 
 
 def _with_errors(result: QuantizedLinear, weight: torch.Tensor, x: torch.Tensor | None,
-                 input_scales: torch.Tensor | None = None) -> QuantizedLinear:
+                 input_scales: torch.Tensor | None = None, compare_rtn: bool = True) -> QuantizedLinear:
     """Relative weight error, and relative output error on the calibration inputs x (the inputs the layer really
-    receives, after earlier layers were quantized), both in the float layer's own terms."""
-    approx = dequantize_codes(result.codes, result.scales, result.fmt)
-    if input_scales is not None:
-        approx = approx / input_scales  # AWQ: compare W with Q·diag(1/s), the weight the layer applies to x
-    result.weight_error = relative_error(weight, approx)
+    receives, after earlier layers were quantized), both in the float layer's own terms; with compare_rtn also
+    round-to-nearest's output error on the same inputs (pointless when the result is round-to-nearest itself)."""
+    dequantized = dequantize_codes(result.codes, result.scales, result.fmt)
+    # AWQ: the layer applies Q·diag(1/s) to x, and receives x / s
+    result.weight_error = relative_error(weight, dequantized / input_scales if input_scales is not None
+                                         else dequantized)
     if x is not None:
         rows = x.reshape(-1, x.shape[-1])
         rows = rows[torch.linspace(0, len(rows) - 1, min(2048, len(rows))).long()]
         reference = rows * input_scales if input_scales is not None else rows  # the float layer's input
         expected = reference @ weight.t()
-        result.output_error = relative_error(expected, rows @ dequantize_codes(
-            result.codes, result.scales, result.fmt).t())
-        rtn = dequantize_codes(*round_to_nearest(weight, result.fmt), result.fmt)
-        result.rtn_output_error = relative_error(expected, reference @ rtn.t())
+        result.output_error = relative_error(expected, rows @ dequantized.t())
+        if compare_rtn:
+            rtn = dequantize_codes(*round_to_nearest(weight, result.fmt), result.fmt)
+            result.rtn_output_error = relative_error(expected, reference @ rtn.t())
     return result
 
 
