@@ -134,14 +134,15 @@ class BlockManager:
         tokens = self._prompt(token_ids)
         return self._blocks_to_take(tokens, self._prefix_hits(tokens)[0]) <= self.num_free_blocks
 
-    def allocate(self, seq_id: int, token_ids: Iterable[int]) -> int:
-        """Reserve slots for a new sequence's prompt, reusing cached leading full blocks. Returns how many prompt
+    def allocate(self, seq_id: int, token_ids: Iterable[int], reuse_cached: bool = True) -> int:
+        """Reserve slots for a new sequence's prompt, reusing cached leading full blocks (unless reuse_cached is
+        False: a caller that recomputes and rewrites every slot must not share any). Returns how many prompt
         tokens already have their KV in the pool (a multiple of block_size, never the whole prompt: the last
         token is always computed so the model yields logits); commit_tokens the rest once computed."""
         if seq_id in self._seqs:
             raise GenerationError(f"sequence {seq_id} already has blocks allocated")
         tokens = self._prompt(token_ids)
-        hits, hashes = self._prefix_hits(tokens)
+        hits, hashes = self._prefix_hits(tokens) if reuse_cached else ([], [])
         needed = self._blocks_to_take(tokens, hits)
         if needed > self.num_free_blocks:
             raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks)
@@ -152,7 +153,7 @@ class BlockManager:
         blocks = hits + [self._take_block() for _ in range(self.blocks_needed(len(tokens)) - len(hits))]
         cached = len(hits) * self.block_size
         self._seqs[seq_id] = _Sequence(blocks, tokens[:cached], len(tokens), hashes)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and reuse_cached:
             self.prefix_queries += (len(tokens) - 1) // self.block_size
             self.prefix_hits += len(hits)
         return cached

@@ -188,11 +188,7 @@ class ContinuousBatcher:
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Logits [T,V] of every position of one sequence (evaluation), through a temporary sequence."""
         seq_id = -1
-        caching, self.manager.enable_prefix_caching = self.manager.enable_prefix_caching, False
-        try:  # no prefix lookup: every slot is recomputed and written, so none may be shared
-            self.manager.allocate(seq_id, token_ids)
-        finally:
-            self.manager.enable_prefix_caching = caching
+        self.manager.allocate(seq_id, token_ids, reuse_cached=False)  # every slot is recomputed and written
         try:
             request = _Request(seq_id, None, 0)
             return self._step([request], [list(token_ids)], [0], all_logits=True)[0]

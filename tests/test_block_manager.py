@@ -251,6 +251,16 @@ def test_prefix_caching_off():
     assert (bm.prefix_hits, bm.prefix_queries, bm.num_cached_blocks) == (0, 0, 0)
 
 
+def test_allocation_that_must_not_reuse_cached_blocks():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.allocate(0, [1, 2, 3])
+    bm.commit_tokens(0, [1, 2, 3])
+    assert bm.allocate(1, [1, 2, 3], reuse_cached=False) == 0  # e.g. scoring, which rewrites every slot
+    assert set(bm.block_table(1)).isdisjoint(bm.block_table(0))
+    assert (bm.prefix_hits, bm.prefix_queries) == (0, 1)  # only the first allocation looked the cache up
+    bm.check_invariants()
+
+
 def test_copy_on_write_after_fork():
     bm = BlockManager(num_blocks=8, block_size=4)
     bm.allocate(0, [1, 2, 3, 4, 5, 6])
