@@ -222,10 +222,18 @@ class Engine:
             raise GenerationError(f"can score 1 to {self.max_context} tokens at once, got {len(token_ids)}")
         if self.paged:
             return self.batcher().score(token_ids)
-        cache = ContiguousKVCache.empty(self.num_layers, 1, self.spec["num_kv_heads"], self.spec["head_dim"])
+        return self.step_one(self.new_cache(), token_ids, 0, all_logits=True)
+
+    def new_cache(self, batch: int = 1) -> ContiguousKVCache:
+        return ContiguousKVCache.empty(self.num_layers, batch, self.spec["num_kv_heads"], self.spec["head_dim"])
+
+    def step_one(self, cache: ContiguousKVCache, token_ids: list[int], start: int, all_logits: bool) -> np.ndarray:
+        """One sequence (no padding): feed token_ids after the `start` tokens in `cache`, appending their K/V;
+        logits [T, V] of every fed token, or [1, V] of the last unless all_logits."""
         ids = np.asarray([token_ids], dtype=np.int64)
-        mask = np.ones_like(ids)
-        return self._step(ids, np.arange(len(token_ids), dtype=np.int64)[None], mask, cache, all_logits=True)[0]
+        positions = np.arange(start, start + len(token_ids), dtype=np.int64)[None]
+        mask = np.ones((1, start + len(token_ids)), dtype=np.int64)
+        return self._step(ids, positions, mask, cache, all_logits=all_logits)[0]
 
     # -- decoding -----------------------------------------------------------------------------------------------
 
@@ -320,7 +328,7 @@ class Engine:
             input_ids[row, width - len(ids):] = ids
             mask[row, width - len(ids):] = 1
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-        cache = ContiguousKVCache.empty(self.num_layers, batch, self.spec["num_kv_heads"], self.spec["head_dim"])
+        cache = self.new_cache(batch)
 
         start = time.perf_counter()
         logits = self._step(input_ids, positions, mask, cache)[:, -1]

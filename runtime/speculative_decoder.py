@@ -45,11 +45,11 @@ class SpeculativeDecoder:
                   ) -> Iterator[tuple[int, str]]:
         rng = np.random.default_rng(params.seed)
         tokens = list(sequence.result.prompt_token_ids)
-        target_cache = self._cache(self.target)
+        target_cache = self.target.new_cache()
         start = time.perf_counter()
-        logits = self._forward(self.target, target_cache, tokens, 0, all_logits=False)[-1]
+        logits = self.target.step_one(target_cache, tokens, 0, all_logits=False)[-1]
         self.prefill_s += time.perf_counter() - start
-        draft_cache = self._cache(self.draft) if self.draft is not None else None
+        draft_cache = self.draft.new_cache() if self.draft is not None else None
         pending = [sample(self._probs(logits, params), rng) if not params.greedy else int(logits.argmax())]
         while True:
             for token in pending:
@@ -67,7 +67,7 @@ class SpeculativeDecoder:
             self.stats.draft_time_s += time.perf_counter() - start
             start = time.perf_counter()
             feed = [tokens[-1], *proposals]
-            target_logits = self._forward(self.target, target_cache, feed, len(tokens) - 1)
+            target_logits = self.target.step_one(target_cache, feed, len(tokens) - 1, all_logits=True)
             target_probs = self._probs(target_logits, params) if not params.greedy else target_logits
             pending, accepted = verify_draft(np.asarray(proposals, dtype=np.int64), draft_probs, target_probs, rng,
                                              greedy=params.greedy, rule=self.rule)
@@ -89,24 +89,10 @@ class SpeculativeDecoder:
         proposals, distributions = [], []
         feed = tokens[cache.length:]
         for _ in range(k):
-            logits = self._forward(self.draft, cache, feed, cache.length, all_logits=False)[-1]
+            logits = self.draft.step_one(cache, feed, cache.length, all_logits=False)[-1]
             probs = self._probs(logits, params) if not params.greedy else None
             token = int(logits.argmax()) if params.greedy else sample(probs, rng)
             proposals.append(token)
             distributions.append(probs)
             feed = [token]
         return proposals, None if params.greedy else np.stack(distributions)
-
-    @staticmethod
-    def _cache(engine) -> ContiguousKVCache:
-        return ContiguousKVCache.empty(engine.num_layers, 1, engine.spec["num_kv_heads"], engine.spec["head_dim"])
-
-    @staticmethod
-    def _forward(engine, cache: ContiguousKVCache, token_ids: list[int], start: int, all_logits: bool = True
-                 ) -> np.ndarray:
-        """Logits [T, V] for every fed token (only the last, [1, V], unless all_logits), appending their K/V to
-        `cache` (which holds `start` tokens)."""
-        ids = np.asarray([token_ids], dtype=np.int64)
-        positions = np.arange(start, start + len(token_ids), dtype=np.int64)[None]
-        mask = np.ones((1, start + len(token_ids)), dtype=np.int64)
-        return engine._step(ids, positions, mask, cache, all_logits=all_logits)[0]
