@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fxllm.compiler import ops  # noqa: F401 - registers torch.ops.fxllm.*
-from fxllm.compiler.op_support import first_unsupported_node
+from fxllm.compiler.targets.op_support import first_unsupported_node
 from fxllm.compiler.program import Program, TensorSig
 from fxllm.compiler.spec import ModelSpec
 from fxllm.errors import UnsupportedModelError

@@ -50,7 +50,7 @@ def compile_model(
     `spec_k` proposed tokens per step. `keep_layers` keeps only the first N decoder layers (self-layers drafts)."""
     from fxllm import __version__
     from fxllm.compiler.capture import capture
-    from fxllm.compiler.lower_onnx import TARGETS, lower_to_onnx
+    from fxllm.compiler.targets.onnx_export import TARGETS, lower_to_onnx
 
     steps = build_pipeline(parse_pipeline(passes), pass_options)
     provided = {fact for step in steps for fact in step.info.provides}
@@ -148,7 +148,7 @@ def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, repo
 
 
 def _audit_for_tensorrt(model_path: Path) -> None:
-    from fxllm.compiler.tensorrt_audit import audit_file, format_findings
+    from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
 
     findings = audit_file(model_path)
     if findings:
@@ -157,7 +157,7 @@ def _audit_for_tensorrt(model_path: Path) -> None:
 
 def _try_engine_build(report: CompileReport) -> None:
     """Build engine.plan when TensorRT and a GPU are here; otherwise keep the audited ONNX and say what to do."""
-    from fxllm.compiler.tensorrt_build import TensorRTUnavailable, build_engine
+    from fxllm.compiler.targets.tensorrt_build import TensorRTUnavailable, build_engine
 
     try:
         start = time.perf_counter()

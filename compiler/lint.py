@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxllm.compiler.interface import make_input, sample_dims
-from fxllm.compiler.op_support import first_unsupported_node
+from fxllm.compiler.targets.op_support import first_unsupported_node
 from fxllm.compiler.program import Program
 
 

@@ -1,7 +1,7 @@
 """fxllm's own torch ops: what aten lacks for an inference graph, each with a reference and a fake implementation.
 
 The reference implementations make every rewritten graph runnable in plain torch (per-pass numerics, tests); the
-fake implementations keep shape propagation and torch.export working. ONNX translations live in onnx_translations.py.
+fake implementations keep shape propagation and torch.export working. ONNX translations live in targets/onnx_translations.py.
 """
 
 import torch

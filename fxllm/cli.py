@@ -174,8 +174,8 @@ def cmd_inspect(args) -> int:
     if not args.check:
         print(json.dumps(info, indent=2) if args.json else info["text"])
         return 0
-    from fxllm.compiler.tensorrt_audit import audit_file, format_findings
-    from fxllm.compiler.tensorrt_rules import parse_version
+    from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
+    from fxllm.compiler.targets.tensorrt_rules import parse_version
 
     version = parse_version(args.trt_version)
     findings = audit_file(args.artifact, version)
@@ -188,7 +188,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_build_engine(args) -> None:
-    from fxllm.compiler.tensorrt_build import build_engine
+    from fxllm.compiler.targets.tensorrt_build import build_engine
 
     plan = build_engine(args.artifact, args.optimization_level, args.max_batch, args.max_tokens)
     print(f"wrote {plan}")

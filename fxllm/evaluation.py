@@ -84,7 +84,7 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 def evaluate(model: str, text_path: str | os.PathLike, ctx: int = 512, max_tokens: int | None = None,
              reference: str | None = None, int8_activations: bool | None = None) -> EvalReport:
     """Perplexity of `model` on a text file (or a named public-domain text: 'britannica')."""
-    from fxllm.compiler.datasets import dataset_names, dataset_path
+    from fxllm.compiler.quant.datasets import dataset_names, dataset_path
 
     if str(text_path) in dataset_names() and not Path(text_path).exists():
         text_path = dataset_path(str(text_path))

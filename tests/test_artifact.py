@@ -58,7 +58,7 @@ def test_missing_file_and_missing_manifest(artifact_copy, tmp_path):
 
 
 def test_failed_compile_leaves_nothing(make_tiny_model, tmp_path, monkeypatch):
-    import fxllm.compiler.lower_onnx as lower
+    import fxllm.compiler.targets.onnx_export as lower
 
     def explode(*args, **kwargs):
         raise RuntimeError("simulated lowering failure")

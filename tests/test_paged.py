@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 import fxllm
-from fxllm.compiler.tensorrt_audit import audit_file
+from fxllm.compiler.targets.tensorrt_audit import audit_file
 from fxllm.errors import GenerationError, PipelineError
 from tests.conftest import PROMPTS
 

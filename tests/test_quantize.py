@@ -10,14 +10,14 @@ import torch
 from onnx import TensorProto
 
 import fxllm
-from fxllm.compiler.awq import search_clipping, search_scales
+from fxllm.compiler.quant.awq import search_clipping, search_scales
 from fxllm.compiler.capture import capture
-from fxllm.compiler.gptq import HessianAccumulator, gptq_quantize
+from fxllm.compiler.quant.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_manager import run_pipeline
 from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
-from fxllm.compiler.quant_math import QuantFormat, dequantize_codes, round_to_nearest
+from fxllm.compiler.quant.numerics import QuantFormat, dequantize_codes, round_to_nearest
 from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source
-from fxllm.compiler.tensorrt_audit import audit_file
+from fxllm.compiler.targets.tensorrt_audit import audit_file
 from fxllm.errors import PipelineError
 
 INT4_G32 = QuantFormat(4, 32)

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import fxllm
-from fxllm.compiler.tensorrt_audit import audit_file, audit_model
+from fxllm.compiler.targets.tensorrt_audit import audit_file, audit_model
 from fxllm.errors import ArtifactError
 from fxllm.runtime.backend_trt import check_plan_compatibility
 from tests.conftest import PROMPTS
@@ -125,7 +125,7 @@ def test_plan_from_another_tensorrt_or_gpu_is_refused():
 
 @pytest.mark.skipif(not HAS_TENSORRT or not has_gpu(), reason="needs TensorRT 10.15+ and a CUDA GPU")
 def test_engine_build_and_run_match_onnx_runtime(trt_artifact):  # pragma: no cover - GPU machines only
-    from fxllm.compiler.tensorrt_build import build_engine
+    from fxllm.compiler.targets.tensorrt_build import build_engine
 
     artifact, _ = trt_artifact
     build_engine(artifact, optimization_level=1, max_batch=4, max_tokens=64)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fxllm.compiler.progress import status
-from fxllm.compiler.tensorrt_audit import audit_file, format_findings
+from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
 from fxllm.errors import FxllmError
 from fxllm.runtime.artifact import MANIFEST, read_manifest, write_manifest
 

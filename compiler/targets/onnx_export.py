@@ -11,9 +11,9 @@ import onnx
 import torch
 
 from fxllm.compiler.interface import make_input, sample_dims
-from fxllm.compiler.onnx_translations import TRANSLATIONS
+from fxllm.compiler.targets.onnx_translations import TRANSLATIONS
 from fxllm.compiler.program import Program
-from fxllm.compiler.tensorrt_audit import ORIGIN_KEY
+from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
 from fxllm.errors import UnsupportedModelError
 
 OPSET = 23

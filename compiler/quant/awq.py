@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxllm.compiler.quant_math import (QuantFormat, dequantize_codes, expand_scales, group_absmax, quantize_with_scales,
+from fxllm.compiler.quant.numerics import (QuantFormat, dequantize_codes, expand_scales, group_absmax, quantize_with_scales,
                                        scales_from_absmax)
 
 Tensor = torch.Tensor

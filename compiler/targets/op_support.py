@@ -26,7 +26,7 @@ def _registry():
 
 
 def is_supported(target) -> bool:
-    from fxllm.compiler.onnx_translations import TRANSLATIONS
+    from fxllm.compiler.targets.onnx_translations import TRANSLATIONS
 
     if target in TRANSLATIONS or str(target) in IGNORED_TARGETS:
         return True

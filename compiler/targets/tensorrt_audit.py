@@ -9,7 +9,7 @@ from pathlib import Path
 
 import onnx
 
-from fxllm.compiler.tensorrt_rules import (
+from fxllm.compiler.targets.tensorrt_rules import (
     MIN_OPSET,
     NOT_PARSED,
     RESTRICTIONS,

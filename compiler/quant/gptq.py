@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from fxllm.compiler.quant_math import QuantFormat, group_absmax, mse_scales, scales_from_absmax
+from fxllm.compiler.quant.numerics import QuantFormat, group_absmax, mse_scales, scales_from_absmax
 
 Tensor = torch.Tensor
 

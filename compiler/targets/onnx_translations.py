@@ -43,7 +43,7 @@ def masked_attention(q, k, v, mask, scale: float):
 def dequant_linear(x, qweight, scales, bias, block_size: int):
     """fxllm::dequant_linear → DequantizeLinear (opset 21+: per output column, or blocked along the input axis,
     no zero point) → MatMul (+ Add): the weight-only pattern TensorRT builds quantized GEMMs from and ONNX Runtime
-    fuses into MatMulNBits. INT4 weights are packed by lowering (see lower_onnx.pack_int4_weights)."""
+    fuses into MatMulNBits. INT4 weights are packed by lowering (see onnx_export.pack_int4_weights)."""
     if block_size == 0:
         weight = op.DequantizeLinear(qweight, scales, axis=1)
     else:
