@@ -45,9 +45,9 @@ from typing import Any
 import fxllm
 from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
 from fxllm.compiler.sources import ModelSource, load_model, resolve_source
-from fxllm.compiler.spec import ModelSpec
+from fxllm.runtime.contract import ModelSpec
 from fxllm.errors import ArtifactError, FxllmError
-from fxllm.runtime.artifact import read_manifest
+from fxllm.runtime.manifest import load_manifest
 
 DEFAULT_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, "
                   "a goldsmith from Mainz,")
@@ -185,7 +185,7 @@ def variant_directory(source: ModelSource, name: str, passes: str) -> Path:
 def cached_manifest(directory: Path, passes: str | None) -> dict[str, Any] | None:
     """The manifest of the artifact in `directory` when it was compiled with `passes`, else None."""
     try:
-        manifest = read_manifest(directory, verify=False)  # fxllm.load checksums the files
+        manifest = load_manifest(directory, verify=False).data  # fxllm.load checksums the files
     except ArtifactError:
         return None
     recorded = [{"name": p["name"], "options": p["options"]} for p in manifest["passes"]]
@@ -205,7 +205,7 @@ def ensure_artifact(model: str, directory: Path, passes: str | None, recompile: 
         fxllm.compile(model, directory, passes=passes)
         print(f"compiled {model} ({passes or 'default pipeline'}) → {directory} in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
-        manifest = read_manifest(directory, verify=False)
+        manifest = load_manifest(directory, verify=False).data
     return manifest
 
 
@@ -217,7 +217,7 @@ def prepare_variants(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     for _, passes in args.variant:
         pipeline_record(passes)
     if args.artifact:
-        default = Variant(DEFAULT_SYSTEM, args.artifact, read_manifest(args.artifact, verify=False))
+        default = Variant(DEFAULT_SYSTEM, args.artifact, load_manifest(args.artifact, verify=False).data)
     else:
         directory = CACHE_DIR / source.name
         default = Variant(DEFAULT_SYSTEM, directory, ensure_artifact(args.model, directory, None, args.recompile))

@@ -49,9 +49,9 @@ import numpy as np
 import fxllm
 from decode import CACHE_DIR, ensure_artifact, environment, first_difference, script_main
 from fxllm.compiler.sources import resolve_source
-from fxllm.compiler.spec import ModelSpec
+from fxllm.runtime.contract import ModelSpec
 from fxllm.errors import FxllmError
-from fxllm.runtime.artifact import read_manifest
+from fxllm.runtime.manifest import load_manifest
 from fxllm.runtime.block_manager import BlockManager, OutOfBlocks
 from fxllm.runtime.paged_cache import parse_bytes
 
@@ -174,7 +174,7 @@ class Layout:
 
 def prepare_artifact(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path, dict[str, Any]]:
     if args.artifact:
-        directory, manifest = args.artifact, read_manifest(args.artifact, verify=False)  # fxllm.load verifies
+        directory, manifest = args.artifact, load_manifest(args.artifact, verify=False).data  # fxllm.load verifies
     else:
         name = resolve_source(args.model).name
         suffix = "paged" if args.block_size == 16 else f"paged-bs{args.block_size}"

@@ -44,10 +44,11 @@ from typing import Any
 from decode import CACHE_DIR, environment, first_difference, script_main
 
 import fxllm
-from fxllm.compiler.draft import MAX_SPEC_K, parse_draft
+from fxllm.compiler.draft import parse_draft
+from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.compiler.sources import resolve_source
 from fxllm.errors import ArtifactError
-from fxllm.runtime.artifact import read_manifest
+from fxllm.runtime.manifest import load_manifest
 
 NATURAL_PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
@@ -150,7 +151,7 @@ def ensure_artifact(model: str, model_name: str, draft: str, recompile: bool) ->
     wanted = parse_draft(draft, 4).describe()
     if not recompile:
         try:
-            manifest = read_manifest(directory, verify=False)  # fxllm.load checksums the files
+            manifest = load_manifest(directory, verify=False).data  # fxllm.load checksums the files
         except ArtifactError:
             manifest = None
         if manifest is not None:

@@ -14,8 +14,8 @@ import torch
 
 from fxllm.compiler import ops  # noqa: F401 - registers torch.ops.fxllm.*
 from fxllm.compiler.targets.op_support import first_unsupported_node
-from fxllm.compiler.program import Program, TensorSig
-from fxllm.compiler.spec import ModelSpec
+from fxllm.compiler.program import Program
+from fxllm.runtime.contract import INPUT_IDS, LOGITS, POSITION_IDS, ModelSpec, TensorSig
 from fxllm.errors import UnsupportedModelError
 
 ATTN_IMPLEMENTATION = "fxllm"
@@ -144,8 +144,8 @@ def capture(model: torch.nn.Module) -> Capture:
     program = Program(
         graph_module,
         spec,
-        inputs=[TensorSig("input_ids", ("batch", "tokens"), "int64"), TensorSig("position_ids", ("batch", "tokens"), "int64")],
-        outputs=[TensorSig("logits", ("batch", "tokens", spec.vocab_size), "float32")],
+        inputs=[TensorSig(INPUT_IDS, ("batch", "tokens"), "int64"), TensorSig(POSITION_IDS, ("batch", "tokens"), "int64")],
+        outputs=[TensorSig(LOGITS, ("batch", "tokens", spec.vocab_size), "float32")],
         facts={"captured", "fxllm-attention"},
     )
     return Capture(program, time.perf_counter() - start)

@@ -139,9 +139,9 @@ def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, repo
     else:
         draft_report = compile_model(target_model, stage / DRAFT_DIR, keep_layers=spec.layers)
     report.seconds["draft"] = time.perf_counter() - start
-    from fxllm.runtime.artifact import read_manifest
+    from fxllm.runtime.manifest import load_manifest
 
-    check_same_vocab(target_vocab, read_manifest(draft_report.output, verify=False)["spec"]["vocab_size"],
+    check_same_vocab(target_vocab, load_manifest(draft_report.output, verify=False).spec.vocab_size,
                      spec.describe())
     entry["draft"] = DRAFT_DIR
     return entry

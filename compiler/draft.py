@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from fxllm.compiler.pipeline import DEFAULT_PIPELINE
 from fxllm.errors import ModelSourceError, PipelineError
+from fxllm.runtime.contract import MAX_SPEC_K
 
-MAX_SPEC_K = 16
 SELF_INT4_PASSES = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + \
     ",quantize:method=int4-rtn;group_size=32;lm_head=int4,kv-cache"
 PROBE_TEXT = "Speculative decoding checks a draft's tokens: ünïcödé, 12345, def f(x): return x ** 2\n\tThe end."

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from fxllm.compiler.program import Program, TensorSig
+from fxllm.compiler.program import Program
+from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, CONTIGUOUS, INPUT_IDS, LOGITS_INDEX,
+                                    PAGED, POSITION_IDS, TensorSig, cache_input, cache_output, parse_cache_name)
 
 DTYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
 
@@ -24,16 +26,18 @@ def step_inputs(program: Program, input_ids: torch.Tensor, past: dict[str, torch
     past_len = next(iter(past.values())).shape[2] if past else 0
     dims = {"batch": batch, "tokens": tokens, "past": past_len, "total": past_len + tokens}
     values = {
-        "input_ids": input_ids,
-        "position_ids": torch.arange(past_len, past_len + tokens).expand(batch, tokens).contiguous(),
-        "attention_mask": torch.ones(batch, past_len + tokens, dtype=torch.int64),
-        "logits_index": torch.arange(tokens),
+        INPUT_IDS: input_ids,
+        POSITION_IDS: torch.arange(past_len, past_len + tokens).expand(batch, tokens).contiguous(),
+        ATTENTION_MASK: torch.ones(batch, past_len + tokens, dtype=torch.int64),
+        LOGITS_INDEX: torch.arange(tokens),
     }
+
     def value_for(sig: TensorSig) -> torch.Tensor:
         if sig.name in values:
             return values[sig.name]
-        if sig.name.startswith("past_"):
-            present = past.get("present_" + sig.name.removeprefix("past_"))
+        role = parse_cache_name(sig.name)
+        if role is not None and role.cache == CONTIGUOUS:
+            present = past.get(cache_output(CONTIGUOUS, role.kind, role.layer))
             return present if present is not None else make_input(sig, dims)
         raise ValueError(f"no value for graph input '{sig.name}'")
 
@@ -51,7 +55,7 @@ def run_sequence(program: Program, input_ids: torch.Tensor, split: int | None = 
         split = 3 if split is None else split
         first, second = input_ids[:, :-split], input_ids[:, -split:]
         outputs = _call(program, step_inputs(program, first, {}))
-        present = {sig.name: value for sig, value in zip(program.outputs, outputs) if sig.name.startswith("present_")}
+        present = {sig.name: value for sig, value in zip(program.outputs, outputs) if parse_cache_name(sig.name)}
         outputs2 = _call(program, step_inputs(program, second, present))
         return torch.cat([outputs[0], outputs2[0]], dim=1)
 
@@ -60,22 +64,23 @@ def _run_paged(program: Program, input_ids: torch.Tensor, split: int) -> torch.T
     """Two steps through a block pool, the way the runtime drives it: sequence b owns blocks b*n..b*n+n-1, listed
     in reverse so a wrong table order cannot go unnoticed; each step's new K/V are written into their slots."""
     batch, length = input_ids.shape
-    pool_sig = next(sig for sig in program.inputs if sig.name.startswith("key_cache_"))
+    pool_sig = next(sig for sig in program.inputs if sig.name == cache_input(PAGED, "key", 0))
     block_size = pool_sig.dims[1]
     per_sequence = -(-length // block_size)
     tables = torch.stack([torch.arange(per_sequence).flip(0) + b * per_sequence for b in range(batch)])
     pools = {sig.name: torch.zeros(batch * per_sequence, *pool_sig.dims[1:]) for sig in program.inputs
-             if sig.name.startswith(("key_cache_", "value_cache_"))}
+             if parse_cache_name(sig.name)}
     logits = []
     for start, stop in ((0, length - split), (length - split, length)):
         chunk = input_ids[:, start:stop]
-        values = {"input_ids": chunk, "position_ids": torch.arange(start, stop).expand(batch, -1).contiguous(),
-                  "block_tables": tables, "context_lens": torch.full((batch,), start, dtype=torch.int64),
-                  "logits_index": torch.arange(stop - start), **pools}
+        values = {INPUT_IDS: chunk, POSITION_IDS: torch.arange(start, stop).expand(batch, -1).contiguous(),
+                  BLOCK_TABLES: tables, CONTEXT_LENS: torch.full((batch,), start, dtype=torch.int64),
+                  LOGITS_INDEX: torch.arange(stop - start), **pools}
         outputs = _call(program, [values[sig.name] for sig in program.inputs])
         for sig, value in zip(program.outputs, outputs):
-            if sig.name.startswith("new_"):
-                pool = pools[sig.name.removeprefix("new_").replace("_", "_cache_", 1)]
+            role = parse_cache_name(sig.name)
+            if role is not None:
+                pool = pools[cache_input(PAGED, role.kind, role.layer)]
                 positions = torch.arange(start, stop)
                 blocks = tables[:, positions // block_size]  # [B, T]
                 pool[blocks, positions % block_size] = value.transpose(1, 2)  # [B, T, Hkv, D]

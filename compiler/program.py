@@ -7,23 +7,7 @@ from typing import Any
 
 import torch
 
-from fxllm.compiler.spec import ModelSpec
-
-
-@dataclass(frozen=True)
-class TensorSig:
-    """One graph input or output: dims are ints or symbolic names shared across tensors (batch, tokens, past...)."""
-
-    name: str
-    dims: tuple[int | str, ...]
-    dtype: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dims": list(self.dims), "dtype": self.dtype}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TensorSig:
-        return cls(data["name"], tuple(data["dims"]), data["dtype"])
+from fxllm.runtime.contract import ModelSpec, TensorSig
 
 
 @dataclass(frozen=True)

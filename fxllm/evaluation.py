@@ -16,7 +16,7 @@ import numpy as np
 
 from fxllm.compiler.progress import progress
 from fxllm.errors import FxllmError, ModelSourceError
-from fxllm.runtime.artifact import MANIFEST
+from fxllm.runtime.contract import MANIFEST_FILE
 
 
 class Scorer:
@@ -24,7 +24,7 @@ class Scorer:
 
     def __init__(self, model: str | os.PathLike, int8_activations: bool | None = None):
         self.name = str(model)
-        if (Path(model) / MANIFEST).is_file():
+        if (Path(model) / MANIFEST_FILE).is_file():
             from fxllm.runtime.engine import Engine
 
             self.engine = Engine.load(model, int8_activations=int8_activations)

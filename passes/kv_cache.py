@@ -12,7 +12,8 @@ import torch
 
 from fxllm.compiler.patterns import build_repeat_kv, match_repeat_kv
 from fxllm.compiler.pass_registry import register_pass
-from fxllm.compiler.program import Program, TensorSig
+from fxllm.compiler.program import Program
+from fxllm.runtime.contract import ATTENTION_MASK, CONTIGUOUS, INPUT_IDS, TensorSig, cache_input, cache_output
 
 aten = torch.ops.aten
 fxllm_ops = torch.ops.fxllm
@@ -29,21 +30,21 @@ def kv_cache(program: Program) -> Program:
     present_dims = ("batch", spec.num_kv_heads, "total", spec.head_dim)
 
     with graph.inserting_after(last_input):
-        attention_mask = graph.placeholder("attention_mask")
-    new_inputs = [TensorSig("attention_mask", ("batch", "total"), "int64")]
+        attention_mask = graph.placeholder(ATTENTION_MASK)
+    new_inputs = [TensorSig(ATTENTION_MASK, ("batch", "total"), "int64")]
     anchor = attention_mask
     past_nodes = []
     for layer in range(len(attention_nodes)):
         with graph.inserting_after(anchor):
-            past_key = graph.placeholder(f"past_key_{layer}")
+            past_key = graph.placeholder(cache_input(CONTIGUOUS, "key", layer))
         with graph.inserting_after(past_key):
-            past_value = graph.placeholder(f"past_value_{layer}")
+            past_value = graph.placeholder(cache_input(CONTIGUOUS, "value", layer))
         anchor = past_value
         past_nodes.append((past_key, past_value))
         new_inputs += [TensorSig(past_key.name, cache_dims, "float32"),
                        TensorSig(past_value.name, cache_dims, "float32")]
     with graph.inserting_after(anchor):
-        mask = graph.call_function(fxllm_ops.causal_mask.default, (attention_mask, program.placeholder("input_ids")))
+        mask = graph.call_function(fxllm_ops.causal_mask.default, (attention_mask, program.placeholder(INPUT_IDS)))
 
     presents = []
     for layer, node in enumerate(attention_nodes):
@@ -64,6 +65,6 @@ def kv_cache(program: Program) -> Program:
     output.args = (tuple(output.args[0]) + tuple(presents),)
     program.inputs += new_inputs
     for layer in range(len(attention_nodes)):
-        program.outputs += [TensorSig(f"present_key_{layer}", present_dims, "float32"),
-                            TensorSig(f"present_value_{layer}", present_dims, "float32")]
+        program.outputs += [TensorSig(cache_output(CONTIGUOUS, kind, layer), present_dims, "float32")
+                            for kind in ("key", "value")]
     return program

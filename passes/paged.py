@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from fxllm.compiler.pass_registry import register_pass
-from fxllm.compiler.program import Program, TensorSig
+from fxllm.compiler.program import Program
+from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, CONTIGUOUS, INPUT_IDS, PAGED, TensorSig,
+                                    cache_input, cache_output, parse_cache_name)
 from fxllm.errors import PipelineError
 
 aten = torch.ops.aten
@@ -27,8 +29,9 @@ def paged(program: Program, *, block_size: int = 16) -> Program:
     mask_node = next((n for n in graph.nodes if n.target is fxllm_ops.causal_mask.default), None)
     if mask_node is None:
         raise PipelineError("paged: the graph has no fxllm.causal_mask (the kv-cache pass's shared mask) to replace")
-    attention_mask = program.placeholder("attention_mask")
-    layers = sum(1 for sig in program.inputs if sig.name.startswith("past_key_"))
+    attention_mask = program.placeholder(ATTENTION_MASK)
+    roles = [parse_cache_name(sig.name) for sig in program.inputs]
+    layers = sum(1 for role in roles if role is not None and role.cache == CONTIGUOUS and role.kind == "key")
     pool_dims = ("blocks", block_size, spec.num_kv_heads, spec.head_dim)
     new_dims = ("batch", spec.num_kv_heads, "tokens", spec.head_dim)
 
@@ -40,12 +43,13 @@ def paged(program: Program, *, block_size: int = 16) -> Program:
             anchor = make()
         return anchor
 
-    block_tables = add_after_anchor(lambda: graph.placeholder("block_tables"))
-    context_lens = add_after_anchor(lambda: graph.placeholder("context_lens"))
-    signatures = {"block_tables": TensorSig("block_tables", ("batch", "table"), "int64"),
-                  "context_lens": TensorSig("context_lens", ("batch",), "int64")}
-    pasts = [program.placeholder(f"past_{kind}_{layer}") for layer in range(layers) for kind in ("key", "value")]
-    pool_names = [past.name.removeprefix("past_").replace("_", "_cache_", 1) for past in pasts]  # key_cache_3
+    block_tables = add_after_anchor(lambda: graph.placeholder(BLOCK_TABLES))
+    context_lens = add_after_anchor(lambda: graph.placeholder(CONTEXT_LENS))
+    signatures = {BLOCK_TABLES: TensorSig(BLOCK_TABLES, ("batch", "table"), "int64"),
+                  CONTEXT_LENS: TensorSig(CONTEXT_LENS, ("batch",), "int64")}
+    kinds = [(kind, layer) for layer in range(layers) for kind in ("key", "value")]
+    pasts = [program.placeholder(cache_input(CONTIGUOUS, kind, layer)) for kind, layer in kinds]
+    pool_names = [cache_input(PAGED, kind, layer) for kind, layer in kinds]
     pools = [add_after_anchor(lambda name=name: graph.placeholder(name)) for name in pool_names]
     signatures |= {name: TensorSig(name, pool_dims, "float32") for name in pool_names}
     for past, pool in zip(pasts, pools):
@@ -53,10 +57,10 @@ def paged(program: Program, *, block_size: int = 16) -> Program:
                                                                             (pool, block_tables)))
         past.replace_all_uses_with(gathered)
         graph.erase_node(past)
-    replaced = {"attention_mask"} | {past.name for past in pasts}
+    replaced = {ATTENTION_MASK} | {past.name for past in pasts}
     with graph.inserting_before(mask_node):
         mask = graph.call_function(fxllm_ops.paged_mask.default,
-                                   (context_lens, block_tables, program.placeholder("input_ids"), block_size))
+                                   (context_lens, block_tables, program.placeholder(INPUT_IDS), block_size))
     mask_node.replace_all_uses_with(mask)
     graph.erase_node(mask_node)
     graph.erase_node(attention_mask)
@@ -65,12 +69,13 @@ def paged(program: Program, *, block_size: int = 16) -> Program:
     values = list(output.args[0])
     new_outputs = []
     for index, sig in enumerate(program.outputs):
-        if sig.name.startswith("present_"):
+        role = parse_cache_name(sig.name)
+        if role is not None:
             present = values[index]
             if present.target is not aten.cat.default:
                 raise PipelineError(f"paged: output '{sig.name}' is not the kv-cache concatenation")
             values[index] = present.args[0][1]  # the step's own K/V: the runtime writes them into their slots
-            new_outputs.append(TensorSig(sig.name.replace("present_", "new_"), new_dims, "float32"))
+            new_outputs.append(TensorSig(cache_output(PAGED, role.kind, role.layer), new_dims, "float32"))
         else:
             new_outputs.append(sig)
     output.args = (tuple(values),)

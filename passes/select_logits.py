@@ -11,7 +11,8 @@ import torch
 
 from fxllm.compiler import ops  # noqa: F401 - registers torch.ops.fxllm.*
 from fxllm.compiler.pass_registry import register_pass
-from fxllm.compiler.program import Program, TensorSig
+from fxllm.compiler.program import Program
+from fxllm.runtime.contract import LOGITS_INDEX, TensorSig
 from fxllm.errors import UnsupportedModelError
 
 PROJECTIONS = {torch.ops.aten.linear.default, torch.ops.fxllm.dequant_linear.default}
@@ -27,12 +28,12 @@ def select_logits(program: Program) -> Program:
                                     "not from a linear lm_head")
     last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last_input):
-        index = graph.placeholder("logits_index")
+        index = graph.placeholder(LOGITS_INDEX)
     with graph.inserting_before(head):
         selected = graph.call_function(torch.ops.aten.index_select.default, (head.args[0], 1, index))
     head.args = (selected, *head.args[1:])
-    position = [n.name for n in graph.nodes if n.op == "placeholder"].index("logits_index")
-    program.inputs.insert(position, TensorSig("logits_index", ("select",), "int64"))
+    position = [n.name for n in graph.nodes if n.op == "placeholder"].index(LOGITS_INDEX)
+    program.inputs.insert(position, TensorSig(LOGITS_INDEX, ("select",), "int64"))
     logits = program.outputs[0]
     program.outputs[0] = TensorSig(logits.name, (logits.dims[0], "select", *logits.dims[2:]), logits.dtype)
     return program

@@ -1,7 +1,7 @@
 """The compiled artifact: a directory with manifest.json, the ONNX model (+ external weights) and the tokenizer.
 
 Written into a temporary sibling directory and renamed into place at the end, so a failed compile never leaves a
-directory that looks valid. Loading checks the format version and the sha256 of every file.
+directory that looks valid. Reading and validating a manifest is runtime/manifest.py's job.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fxllm.errors import ArtifactError
-
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-REQUIRED_KEYS = ("fxllm_version", "model_file", "tokenizer_dir", "spec", "io", "facts", "files")
+from fxllm.runtime.contract import FORMAT_VERSION, MANIFEST_FILE
 
 
 def sha256_file(path: Path) -> str:
@@ -36,7 +33,7 @@ def check_output(output: str | os.PathLike) -> Path:
     output = Path(output).resolve()
     if output.exists() and not output.is_dir():
         raise ArtifactError(f"output '{output}' is a file, not an artifact directory")
-    if output.exists() and not (output / MANIFEST).exists() and any(output.iterdir()):
+    if output.exists() and not (output / MANIFEST_FILE).exists() and any(output.iterdir()):
         raise ArtifactError(f"'{output}' exists and is not an fxllm artifact; refusing to replace it")
     return output
 
@@ -73,57 +70,12 @@ def _umask() -> int:
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith((MANIFEST, f".{MANIFEST}")))
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith((MANIFEST_FILE, f".{MANIFEST_FILE}")))
     manifest = {
         "format_version": FORMAT_VERSION,
         **manifest,
         "files": {str(p.relative_to(directory)): {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
     }
-    temporary = directory / f".{MANIFEST}.tmp"
+    temporary = directory / f".{MANIFEST_FILE}.tmp"
     temporary.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(temporary, directory / MANIFEST)  # a crash mid-write never leaves a half manifest
-
-
-def read_manifest(directory: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
-    """Read and validate an artifact's manifest; with `verify`, checksum every file it lists."""
-    directory = Path(directory)
-    if not directory.exists():
-        raise ArtifactError(f"artifact '{directory}' does not exist")
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise ArtifactError(f"'{directory}' is not an fxllm artifact (no {MANIFEST}); compile one with `fxllm compile`")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{path} is corrupt: {exc}") from exc
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if not isinstance(version, int):
-        raise ArtifactError(f"{path} has no format_version; it was not written by fxllm")
-    if not isinstance(manifest, dict):
-        raise ArtifactError(f"{path} is corrupt: expected a JSON object")
-    if version > FORMAT_VERSION:
-        raise ArtifactError(
-            f"artifact format version {version} is newer than this fxllm supports ({FORMAT_VERSION}); "
-            f"upgrade fxllm (it was written by fxllm {manifest.get('fxllm_version', '?')})"
-        )
-    missing = [key for key in REQUIRED_KEYS if key not in manifest]
-    if missing:
-        raise ArtifactError(f"{path} is incomplete (missing {', '.join(missing)}); recompile the artifact")
-    required_files = {manifest["model_file"]}
-    if (directory / f"{manifest['model_file']}.data").exists():
-        required_files.add(f"{manifest['model_file']}.data")
-    unlisted = required_files - set(manifest["files"])
-    if unlisted:
-        raise ArtifactError(f"{path} does not checksum {', '.join(sorted(unlisted))}; recompile the artifact")
-    if verify:
-        verify_files(directory, manifest)
-    return manifest
-
-
-def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
-    for name, entry in manifest.get("files", {}).items():
-        file = directory / name
-        if not file.is_file():
-            raise ArtifactError(f"artifact file '{name}' is missing from '{directory}'")
-        if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
-            raise ArtifactError(f"artifact file '{name}' is corrupt (checksum mismatch); recompile the artifact")
+    os.replace(temporary, directory / MANIFEST_FILE)  # a crash mid-write never leaves a half manifest

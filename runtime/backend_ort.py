@@ -45,5 +45,22 @@ class OrtBackend:
     def providers(self) -> list[str]:
         return self.session.get_providers()
 
+    def input_signature(self) -> dict[str, tuple[str, int]]:
+        """{name: (dtype, rank)} of the model's inputs, dtypes spelled as in the manifest (int64, float32...)."""
+        return {i.name: (_dtype(i.type), len(i.shape)) for i in self.session.get_inputs()}
+
+    def output_signature(self) -> dict[str, tuple[str, int]]:
+        return {o.name: (_dtype(o.type), len(o.shape)) for o in self.session.get_outputs()}
+
+    def metadata(self) -> dict[str, str]:
+        """The model file's custom metadata (lowering records the contract digest there)."""
+        return dict(self.session.get_modelmeta().custom_metadata_map)
+
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+
+
+def _dtype(onnx_type: str) -> str:
+    """ONNX Runtime's 'tensor(float)' → the manifest's 'float32'."""
+    name = onnx_type.removeprefix("tensor(").removesuffix(")")
+    return {"float": "float32", "double": "float64", "float16": "float16", "bfloat16": "bfloat16"}.get(name, name)

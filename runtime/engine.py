@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 
 from fxllm.errors import ArtifactError, GenerationError
-from fxllm.runtime.artifact import read_manifest
+from fxllm.runtime.contract import (ATTENTION_MASK, CONTRACT_METADATA_KEY, INPUT_IDS, LOGITS, LOGITS_INDEX, MAX_SPEC_K,
+                                    POSITION_IDS, contract_digest, signature_mismatch)
+from fxllm.runtime.manifest import Manifest, SpeculativePlan, load_manifest
 from fxllm.runtime.backend_ort import OrtBackend
 from fxllm.runtime.detokenizer import IncrementalDetokenizer
 from fxllm.runtime.kv_cache import ContiguousKVCache
@@ -46,17 +48,17 @@ class _Sequence:
 
 
 class Engine:
-    def __init__(self, directory: Path, manifest: dict[str, Any], backend, tokenizer):
+    def __init__(self, directory: Path, manifest: Manifest, backend, tokenizer):
         self.directory = directory
         self.manifest = manifest
         self.backend = backend
         self.tokenizer = tokenizer
-        self.spec = manifest["spec"]
-        self.inputs = manifest["io"]["inputs"]
-        self.paged = "paged" in manifest.get("facts", [])
-        self.num_layers = sum(1 for sig in self.inputs if sig["name"].startswith(("past_key_", "key_cache_")))
-        self.selects_logits = any(sig["name"] == "logits_index" for sig in self.inputs)
-        self.eos_token_ids = set(self.spec["eos_token_ids"])
+        self.spec = manifest.spec
+        self.io = manifest.io
+        self.paged = manifest.io.paged
+        self.num_layers = manifest.io.num_layers
+        self.selects_logits = manifest.io.selects_logits
+        self.eos_token_ids = set(self.spec.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -85,26 +87,25 @@ class Engine:
         Artifacts compiled with a draft decode speculatively unless speculative=False; spec_k overrides their k.
         spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs)."""
         directory = Path(path)
-        manifest = read_manifest(directory, verify=verify)
-        if "kv-cache" not in manifest.get("facts", []):
-            raise ArtifactError(f"artifact '{directory}' was compiled without the kv-cache pass; recompile it")
+        manifest = load_manifest(directory, verify=verify)
         if backend == "onnxruntime":
-            recommended = bool(manifest.get("runtime", {}).get("int8_activations", False))
+            recommended = manifest.int8_activations
             # Target and draft sessions alternate on the same cores: threads spinning after one session's call
             # would slow the other's (measured: a 5-token verify 105 ms alternating vs 41 ms without spinning).
-            runner = OrtBackend(directory / manifest["model_file"], threads=threads, providers=providers,
+            runner = OrtBackend(manifest.model_file, threads=threads, providers=providers,
                                 int8_activations=recommended if int8_activations is None else int8_activations,
-                                spin=spin and not (speculative and manifest.get("speculative")))
+                                spin=spin and not (speculative and manifest.speculative))
+            _check_model_matches(manifest, runner)
         elif backend == "tensorrt":
             from fxllm.runtime.backend_trt import TrtBackend
 
-            runner = TrtBackend(directory, manifest)
+            runner = TrtBackend(directory, manifest.data)
         else:
             raise ArtifactError(f"unknown backend '{backend}' (available: onnxruntime, tensorrt)")
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(directory / manifest["tokenizer_dir"])
+            tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_dir)
         except Exception as exc:
             raise ArtifactError(f"cannot load the artifact's tokenizer: {exc}") from exc
         engine = cls(directory, manifest, runner, tokenizer)
@@ -113,31 +114,30 @@ class Engine:
         engine.prefix_caching = prefix_caching
         if engine.paged:
             engine.batcher()  # sizes the pool now, so a bad KV budget fails at load time
-        plan = manifest.get("speculative")
-        if plan and speculative:
+        plan = manifest.speculative
+        if plan is not None and speculative:
             engine.speculator = engine._speculator(plan, spec_k, threads, providers, verify, int8_activations)
         return engine
 
-    def _speculator(self, plan: dict[str, Any], spec_k: int | None, threads, providers, verify, int8_activations):
-        from fxllm.compiler.draft import MAX_SPEC_K
+    def _speculator(self, plan: SpeculativePlan, spec_k: int | None, threads, providers, verify, int8_activations):
         from fxllm.runtime.speculative_decoder import SpeculativeDecoder
 
-        k = plan["k"] if spec_k is None else spec_k
+        k = plan.k if spec_k is None else spec_k
         if not 1 <= k <= MAX_SPEC_K:
             raise GenerationError(f"spec_k must be between 1 and {MAX_SPEC_K}, got {k}")
         if self.paged:
             raise ArtifactError("speculative decoding runs on the contiguous KV cache; compile without `paged`")
         draft = None
-        if plan.get("draft"):
-            draft = Engine.load(self.directory / plan["draft"], threads=threads, providers=providers, verify=verify,
+        if plan.draft is not None:
+            draft = Engine.load(plan.draft, threads=threads, providers=providers, verify=verify,
                                 int8_activations=int8_activations, spin=False)
-        return SpeculativeDecoder(self, draft, plan["mode"], k)
+        return SpeculativeDecoder(self, draft, plan.mode, k)
 
     # -- paged KV cache -------------------------------------------------------------------------------------------
 
     @property
     def block_size(self) -> int:
-        return next(sig["dims"][1] for sig in self.inputs if sig["name"] == "key_cache_0")
+        return self.io.block_size
 
     def capacity_tokens(self) -> int:
         """Tokens the KV pool can hold (paged artifacts)."""
@@ -147,11 +147,10 @@ class Engine:
         """The continuous batcher with its block manager and KV pool, created on first use."""
         if self._batcher is None:
             from fxllm.runtime.block_manager import BlockManager
-            from fxllm.compiler.spec import ModelSpec
             from fxllm.runtime.paged_cache import PagedKVPool, default_num_blocks, parse_bytes
             from fxllm.runtime.scheduler import ContinuousBatcher
 
-            block_bytes = ModelSpec.from_dict(self.spec).kv_bytes_per_token() * self.block_size
+            block_bytes = self.spec.kv_bytes_per_token() * self.block_size
             if self.kv_blocks is not None:
                 blocks = self.kv_blocks
             elif self.kv_cache_memory is not None:
@@ -165,14 +164,14 @@ class Engine:
                     f"{budget} holds no KV block: one block of {self.block_size} tokens takes {block_bytes:,} bytes "
                     "for this model")
             manager = BlockManager(int(blocks), self.block_size, enable_prefix_caching=self.prefix_caching)
-            pool = PagedKVPool(self.num_layers, int(blocks), self.block_size, self.spec["num_kv_heads"],
-                               self.spec["head_dim"])
+            pool = PagedKVPool(self.num_layers, int(blocks), self.block_size, self.spec.num_kv_heads,
+                               self.spec.head_dim)
             self._batcher = ContinuousBatcher(self, manager, pool, self.max_batch, self.max_tokens_per_step)
         return self._batcher
 
     @property
     def max_context(self) -> int:
-        return int(self.spec["max_positions"])
+        return self.spec.max_positions
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
@@ -225,7 +224,7 @@ class Engine:
         return self.step_one(self.new_cache(), token_ids, 0, all_logits=True)
 
     def new_cache(self, batch: int = 1) -> ContiguousKVCache:
-        return ContiguousKVCache.empty(self.num_layers, batch, self.spec["num_kv_heads"], self.spec["head_dim"])
+        return ContiguousKVCache.empty(self.num_layers, batch, self.spec.num_kv_heads, self.spec.head_dim)
 
     def step_one(self, cache: ContiguousKVCache, token_ids: list[int], start: int, all_logits: bool) -> np.ndarray:
         """One sequence (no padding): feed token_ids after the `start` tokens in `cache`, appending their K/V;
@@ -250,15 +249,15 @@ class Engine:
               cache: ContiguousKVCache, all_logits: bool = False) -> np.ndarray:
         """One forward step; logits [B, T or 1, V]: only the last position's unless all_logits (when the artifact
         was compiled with select-logits; otherwise always all)."""
-        feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        feeds = {INPUT_IDS: input_ids, POSITION_IDS: position_ids, ATTENTION_MASK: attention_mask}
         if self.selects_logits:
             tokens = input_ids.shape[1]
             positions = range(tokens) if all_logits else [tokens - 1]
-            feeds["logits_index"] = np.asarray(positions, dtype=np.int64)
+            feeds[LOGITS_INDEX] = np.asarray(positions, dtype=np.int64)
         feeds.update(cache.feeds())
         outputs = self.backend.run(feeds)
         cache.update(outputs)
-        return outputs["logits"]
+        return outputs[LOGITS]
 
     def _new_sequences(self, prompt_ids: list[list[int]], stop: str | list[str] | None,
                        prompts: list[str] | None) -> list[_Sequence]:
@@ -385,3 +384,17 @@ class Engine:
         elif last_step:
             seq.done, result.finish_reason = True, "length"
         return delta + seq.detokenizer.finish() if seq.done else delta
+
+
+def _check_model_matches(manifest: Manifest, backend) -> None:
+    """The model file must be the one the manifest describes: same I/O signature, and (for artifacts that record
+    it) the same spec and signature digest it was lowered for. Checked at load, not at the first step."""
+    problem = signature_mismatch(manifest.io, backend.input_signature(), backend.output_signature())
+    if problem is not None:
+        raise ArtifactError(f"'{manifest.model_file.name}' does not match the manifest: {problem}; recompile the "
+                            "artifact")
+    recorded = backend.metadata().get(CONTRACT_METADATA_KEY)
+    if recorded is not None and recorded != contract_digest(manifest.data["spec"], list(manifest.io.inputs),
+                                                            list(manifest.io.outputs)):
+        raise ArtifactError(f"the manifest's model spec or signature was changed after compilation (it no longer "
+                            f"matches '{manifest.model_file.name}'); recompile the artifact")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fxllm.compiler.spec import ModelSpec
-from fxllm.runtime.artifact import read_manifest
+from fxllm.runtime.manifest import load_manifest
 from fxllm.runtime.paged_cache import DEFAULT_KV_BUDGET, default_num_blocks
 
 
@@ -15,9 +14,9 @@ def _mb(n: int) -> str:
 
 
 def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
-    manifest = read_manifest(path, verify=True)
-    spec = manifest["spec"]
-    kv_bytes = ModelSpec.from_dict(spec).kv_bytes_per_token()
+    loaded = load_manifest(path, verify=True)
+    manifest, spec = loaded.data, loaded.data["spec"]
+    kv_bytes = loaded.spec.kv_bytes_per_token()
     files = manifest["files"]
     info = {
         "artifact": str(path),
@@ -36,9 +35,8 @@ def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
             spec.get("source_num_kv_heads") or spec["num_kv_heads"]),
         "compile_seconds": manifest.get("compile_seconds", {}),
     }
-    pool = next((sig for sig in manifest["io"]["inputs"] if sig["name"] == "key_cache_0"), None)
-    if pool is not None:
-        block_size = pool["dims"][1]
+    if loaded.io.paged:
+        block_size = loaded.io.block_size
         block_bytes = kv_bytes * block_size
         budget = default_num_blocks(block_bytes, block_size, spec["max_positions"])
         info["paged"] = {"block_size": block_size, "block_bytes": block_bytes, "default_budget_blocks": budget,

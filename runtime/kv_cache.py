@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fxllm.runtime.contract import CONTIGUOUS, cache_input, cache_output
+
 
 @dataclass
 class ContiguousKVCache:
@@ -23,13 +25,13 @@ class ContiguousKVCache:
         return self.keys[0].shape[2]
 
     def feeds(self) -> dict[str, np.ndarray]:
-        feeds = {f"past_key_{i}": k for i, k in enumerate(self.keys)}
-        feeds.update({f"past_value_{i}": v for i, v in enumerate(self.values)})
+        feeds = {cache_input(CONTIGUOUS, "key", i): k for i, k in enumerate(self.keys)}
+        feeds.update({cache_input(CONTIGUOUS, "value", i): v for i, v in enumerate(self.values)})
         return feeds
 
     def update(self, outputs: dict[str, np.ndarray]) -> None:
-        self.keys = [outputs[f"present_key_{i}"] for i in range(len(self.keys))]
-        self.values = [outputs[f"present_value_{i}"] for i in range(len(self.values))]
+        self.keys = [outputs[cache_output(CONTIGUOUS, "key", i)] for i in range(len(self.keys))]
+        self.values = [outputs[cache_output(CONTIGUOUS, "value", i)] for i in range(len(self.values))]
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these batch rows (finished sequences leave the batch)."""

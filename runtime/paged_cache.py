@@ -8,6 +8,7 @@ import re
 import numpy as np
 
 from fxllm.errors import GenerationError
+from fxllm.runtime.contract import PAGED, cache_input, cache_output
 
 DEFAULT_KV_BUDGET = 512 * 2**20  # the pool of a paged artifact when neither a budget nor a block count is given
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -40,16 +41,16 @@ class PagedKVPool:
         return sum(a.nbytes for a in self.keys + self.values)
 
     def feeds(self) -> dict[str, np.ndarray]:
-        feeds = {f"key_cache_{i}": k for i, k in enumerate(self.keys)}
-        feeds.update({f"value_cache_{i}": v for i, v in enumerate(self.values)})
+        feeds = {cache_input(PAGED, "key", i): k for i, k in enumerate(self.keys)}
+        feeds.update({cache_input(PAGED, "value", i): v for i, v in enumerate(self.values)})
         return feeds
 
     def write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
         """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset)."""
         blocks, offsets = np.divmod(slots, self.block_size)
         for i, (keys, values) in enumerate(zip(self.keys, self.values)):
-            keys[blocks, offsets] = outputs[f"new_key_{i}"].transpose(0, 2, 1, 3)
-            values[blocks, offsets] = outputs[f"new_value_{i}"].transpose(0, 2, 1, 3)
+            keys[blocks, offsets] = outputs[cache_output(PAGED, "key", i)].transpose(0, 2, 1, 3)
+            values[blocks, offsets] = outputs[cache_output(PAGED, "value", i)].transpose(0, 2, 1, 3)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate source blocks into their new private blocks."""

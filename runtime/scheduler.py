@@ -22,6 +22,7 @@ import numpy as np
 
 from fxllm.errors import GenerationError
 from fxllm.runtime.block_manager import BlockManager, OutOfBlocks
+from fxllm.runtime.contract import BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS
 from fxllm.runtime.paged_cache import PagedKVPool
 from fxllm.runtime.sampler import Sampler
 
@@ -207,16 +208,16 @@ class ContinuousBatcher:
         for row, blocks in enumerate(tables):
             table[row, :len(blocks)] = blocks
         position_ids = np.asarray(positions, dtype=np.int64)[:, None] + np.arange(width, dtype=np.int64)
-        feeds = {"input_ids": np.asarray(chunks, dtype=np.int64), "position_ids": position_ids,
-                 "block_tables": table, "context_lens": np.asarray(positions, dtype=np.int64)}
+        feeds = {INPUT_IDS: np.asarray(chunks, dtype=np.int64), POSITION_IDS: position_ids,
+                 BLOCK_TABLES: table, CONTEXT_LENS: np.asarray(positions, dtype=np.int64)}
         if self.engine.selects_logits:
-            feeds["logits_index"] = np.arange(width, dtype=np.int64) if all_logits else np.asarray([width - 1])
+            feeds[LOGITS_INDEX] = np.arange(width, dtype=np.int64) if all_logits else np.asarray([width - 1])
         feeds.update(self.pool.feeds())
         outputs = self.engine.backend.run(feeds)
         slots = np.asarray([self.manager.slot_mapping(r.index, p, width) for r, p in zip(requests, positions)])
         self.pool.write(outputs, slots)
         self.metrics.steps += 1
-        return outputs["logits"] if all_logits else outputs["logits"][:, -1]
+        return outputs[LOGITS] if all_logits else outputs[LOGITS][:, -1]
 
     def _sample(self, requests: list[_Request], logits: np.ndarray, sampler: Sampler) -> Iterator[tuple[int, str]]:
         tokens = sampler(logits, [r.index for r in requests])

@@ -80,7 +80,7 @@ class SpeculativeDecoder:
     def _propose(self, tokens: list[int], cache: ContiguousKVCache | None, k: int, params: SamplingParams,
                  rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
         """k draft tokens and the draft's distributions they were drawn from ([k, V]; None when greedy)."""
-        vocab = self.target.spec["vocab_size"]
+        vocab = self.target.spec.vocab_size
         if k <= 0:
             return [], None if params.greedy else np.zeros((0, vocab))
         if self.ngram is not None:

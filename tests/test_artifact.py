@@ -9,7 +9,8 @@ import pytest
 
 import fxllm
 from fxllm.errors import ArtifactError
-from fxllm.runtime.artifact import FORMAT_VERSION, read_manifest
+from fxllm.runtime.contract import FORMAT_VERSION
+from fxllm.runtime.manifest import load_manifest
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def artifact_copy(make_tiny_artifact, tmp_path):
 
 
 def test_manifest_describes_the_artifact(make_tiny_artifact):
-    manifest = read_manifest(make_tiny_artifact("llama"))
+    manifest = load_manifest(make_tiny_artifact("llama")).data
     assert manifest["format_version"] == FORMAT_VERSION and manifest["fxllm_version"] == fxllm.__version__
     assert [p["name"] for p in manifest["passes"]] == ["cleanup", "gqa", "fuse-projections", "select-logits", "kv-cache"]
     assert manifest["spec"]["num_kv_heads"] == 2 and manifest["target"] == "ort"

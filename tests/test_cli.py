@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fxllm.cli import main
-from fxllm.runtime.artifact import FORMAT_VERSION
+from fxllm.runtime.contract import FORMAT_VERSION
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

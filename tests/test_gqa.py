@@ -97,7 +97,7 @@ def test_gpt2_mha_regroups_4_to_2_to_1(make_tiny_model, tokenizer, tmp_path):
     for heads in (4, 2, 1):
         artifact = _compile(directory, tmp_path / f"kv{heads}", heads)
         engine = fxllm.load(artifact)
-        assert engine.spec["num_kv_heads"] == heads
+        assert engine.spec.num_kv_heads == heads
         assert len(engine.generate(PROMPTS, max_new_tokens=8)) == len(PROMPTS)
         from fxllm.runtime.inspect import describe_artifact
 

@@ -15,6 +15,7 @@ from fxllm.compiler.targets.onnx_translations import TRANSLATIONS
 from fxllm.compiler.program import Program
 from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
 from fxllm.errors import UnsupportedModelError
+from fxllm.runtime.contract import CONTRACT_METADATA_KEY, contract_digest
 
 OPSET = 23
 TARGETS = ("ort", "tensorrt")
@@ -51,7 +52,7 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
         )
     path = Path(path)
     onnx_program.save(str(path), external_data=True)
-    name_dimensions(path, program)
+    name_dimensions(path, program)  # also records the contract digest the runtime checks the manifest against
     record_origins(path, exported.graph)
     pack_int4_weights(path)
     check_onnx(path)
@@ -74,6 +75,8 @@ def name_dimensions(path: Path, program: Program) -> None:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in renames:
                 dim.dim_param = renames[dim.dim_param]
+    digest = contract_digest(program.spec.to_dict(), program.inputs, program.outputs)
+    model.metadata_props.add(key=CONTRACT_METADATA_KEY, value=digest)
     onnx.save(model, str(path))
 
 

@@ -84,9 +84,9 @@ def audit_file(path: str | os.PathLike, trt_version: Version = DEFAULT_TRT_VERSI
     """Audit an .onnx file or an artifact directory (its model file), without loading weights."""
     path = Path(path)
     if path.is_dir():
-        from fxllm.runtime.artifact import read_manifest
+        from fxllm.runtime.manifest import load_manifest
 
-        path = path / read_manifest(path, verify=False)["model_file"]
+        path = load_manifest(path, verify=False).model_file
     return audit_model(onnx.load(str(path), load_external_data=False), trt_version)
 
 

@@ -17,7 +17,9 @@ from typing import Any
 from fxllm.compiler.progress import status
 from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
 from fxllm.errors import FxllmError
-from fxllm.runtime.artifact import MANIFEST, read_manifest, write_manifest
+from fxllm.runtime.artifact import write_manifest
+from fxllm.runtime.contract import MANIFEST_FILE
+from fxllm.runtime.manifest import load_manifest
 
 PLAN_FILE = "engine.plan"
 TIMING_CACHE = Path(os.environ.get("FXLLM_CACHE", Path.home() / ".cache" / "fxllm")) / "tensorrt-timing.cache"
@@ -59,9 +61,9 @@ def build_engine(artifact: str | os.PathLike, optimization_level: int = 3, max_b
     """Parse the artifact's ONNX, build with one optimization profile, write engine.plan and record the TensorRT
     version and GPU compute capability in the manifest."""
     directory = Path(artifact)
-    manifest = read_manifest(directory)
-    if manifest.get("target") != "tensorrt":
-        raise FxllmError(f"'{directory}' was compiled for target '{manifest.get('target')}'; recompile it with "
+    manifest = load_manifest(directory).data
+    if manifest["target"] != "tensorrt":
+        raise FxllmError(f"'{directory}' was compiled for target '{manifest['target']}'; recompile it with "
                          "--target tensorrt")
     findings = audit_file(directory)
     if findings:
@@ -93,7 +95,7 @@ def build_engine(artifact: str | os.PathLike, optimization_level: int = 3, max_b
     TIMING_CACHE.write_bytes(bytes(config.get_timing_cache().serialize()))
     (directory / PLAN_FILE).write_bytes(bytes(plan))
     major, minor = torch.cuda.get_device_capability()
-    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
     manifest.pop("files", None)
     manifest["tensorrt"] = {"version": trt.__version__, "compute_capability": f"{major}.{minor}",
                             "gpu": torch.cuda.get_device_name(), "plan_file": PLAN_FILE,

@@ -1,0 +1,233 @@
+"""The artifact contract between the compiler (which writes it) and the runtime (which reads it), torch-free.
+
+It names everything both sides must agree on: the format version and marker, the model spec, tensor signatures,
+the graph's I/O names and their roles (inputs, outputs, per-layer caches of either cache kind), and limits such as
+the largest speculative k. Nothing else in the project spells an I/O name out.
+
+Cache kinds and their per-layer tensors (`kind` is "key" or "value"):
+  contiguous: inputs past_{kind}_{layer} [batch, kv_heads, past, head_dim],
+              outputs present_{kind}_{layer} [batch, kv_heads, total, head_dim] (past followed by this step's)
+  paged:      inputs {kind}_cache_{layer} [blocks, block_size, kv_heads, head_dim] (the pool),
+              outputs new_{kind}_{layer} [batch, kv_heads, tokens, head_dim] (this step's, written by the runtime)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+ARTIFACT_KIND = "fxllm-artifact"  # the manifest's "kind": marks a directory fxllm wrote (and may replace)
+MANIFEST_FILE = "manifest.json"
+MAX_SPEC_K = 16  # most draft tokens verified per speculative step
+TARGETS = ("ort", "tensorrt")
+
+# Graph inputs and outputs that are not per layer.
+INPUT_IDS = "input_ids"  # int64 [batch, tokens]
+POSITION_IDS = "position_ids"  # int64 [batch, tokens]
+ATTENTION_MASK = "attention_mask"  # int64 [batch, total] (contiguous cache)
+LOGITS_INDEX = "logits_index"  # int64 [select] (select-logits)
+BLOCK_TABLES = "block_tables"  # int64 [batch, table] (paged cache)
+CONTEXT_LENS = "context_lens"  # int64 [batch] (paged cache)
+LOGITS = "logits"  # float32 [batch, select or tokens, vocab]
+INTEGER_INPUTS = frozenset({INPUT_IDS, POSITION_IDS, ATTENTION_MASK, LOGITS_INDEX, BLOCK_TABLES, CONTEXT_LENS})
+RANKS = {INPUT_IDS: 2, POSITION_IDS: 2, ATTENTION_MASK: 2, LOGITS_INDEX: 1, BLOCK_TABLES: 2, CONTEXT_LENS: 1, LOGITS: 3}
+INTEGER_DTYPES = ("int64",)
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # logits and KV caches
+
+CONTIGUOUS, PAGED = "contiguous", "paged"
+CACHE_KINDS = ("key", "value")
+_CACHE_NAMES = {  # cache kind → (input pattern, output pattern)
+    CONTIGUOUS: ("past_{kind}_{layer}", "present_{kind}_{layer}"),
+    PAGED: ("{kind}_cache_{layer}", "new_{kind}_{layer}"),
+}
+_CACHE_NAME = re.compile(r"^(?:(past|present|new)_(key|value)_|(key|value)_cache_)(0|[1-9][0-9]*)$")
+
+
+def cache_input(cache: str, kind: str, layer: int) -> str:
+    """Name of layer `layer`'s K or V cache input: past_key_3 (contiguous), key_cache_3 (paged)."""
+    return _CACHE_NAMES[cache][0].format(kind=kind, layer=layer)
+
+
+def cache_output(cache: str, kind: str, layer: int) -> str:
+    """Name of layer `layer`'s K or V cache output: present_key_3 (contiguous), new_key_3 (paged)."""
+    return _CACHE_NAMES[cache][1].format(kind=kind, layer=layer)
+
+
+@dataclass(frozen=True)
+class CacheTensor:
+    """What a per-layer cache name means: its cache kind, whether it is a graph input, K or V, and the layer."""
+
+    cache: str
+    is_input: bool
+    kind: str
+    layer: int
+
+
+def parse_cache_name(name: str) -> CacheTensor | None:
+    """The role of a per-layer cache tensor name, or None for any other name."""
+    match = _CACHE_NAME.match(name)
+    if match is None:
+        return None
+    prefix, kind, pool_kind, layer = match.groups()
+    if pool_kind is not None:
+        return CacheTensor(PAGED, True, pool_kind, int(layer))
+    cache = PAGED if prefix == "new" else CONTIGUOUS
+    return CacheTensor(cache, prefix == "past", kind, int(layer))
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    """One graph input or output: dims are ints or symbolic names shared across tensors (batch, tokens, past...)."""
+
+    name: str
+    dims: tuple[int | str, ...]
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dims": list(self.dims), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorSig:
+        return cls(data["name"], tuple(data["dims"]), data["dtype"])
+
+
+@dataclass
+class ModelSpec:
+    """The facts about a model that passes, lowering and the runtime need, independent of transformers."""
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+    rope: dict[str, Any] = field(default_factory=dict)
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+    notes: list[str] = field(default_factory=list)
+    source_num_kv_heads: int | None = None  # set when a pass changed the KV heads (gqa conversion)
+
+    def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
+        """Bytes of K and V cache one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    """The calling convention of an artifact's graph, read from its signature: which cache kind it uses, how many
+    layers, the paged block size, and whether the caller chooses the positions whose logits are computed."""
+
+    inputs: tuple[TensorSig, ...]
+    outputs: tuple[TensorSig, ...]
+    cache: str  # CONTIGUOUS or PAGED
+    num_layers: int
+    block_size: int | None  # paged only
+    selects_logits: bool
+
+    @classmethod
+    def from_signature(cls, inputs: list[TensorSig], outputs: list[TensorSig]) -> ModelIO:
+        """Derive the roles from the names; raises ValueError when the signature is not a complete calling
+        convention (the manifest reader turns that into an ArtifactError)."""
+        input_names = [sig.name for sig in inputs]
+        output_names = [sig.name for sig in outputs]
+        caches = [(sig, parse_cache_name(sig.name)) for sig in inputs]
+        kinds = {role.cache for _, role in caches if role is not None}
+        if len(kinds) != 1:
+            raise ValueError("the inputs hold no KV cache" if not kinds else "the inputs mix contiguous and paged caches")
+        cache = kinds.pop()
+        layers = sum(1 for _, role in caches if role is not None and role.kind == "key")
+        expected_inputs = {INPUT_IDS, POSITION_IDS}
+        expected_inputs |= {BLOCK_TABLES, CONTEXT_LENS} if cache == PAGED else {ATTENTION_MASK}
+        expected_inputs |= {cache_input(cache, kind, i) for kind in CACHE_KINDS for i in range(layers)}
+        optional_inputs = {LOGITS_INDEX}
+        expected_outputs = {LOGITS} | {cache_output(cache, kind, i) for kind in CACHE_KINDS for i in range(layers)}
+        missing = sorted(expected_inputs - set(input_names)) + sorted(expected_outputs - set(output_names))
+        unknown = sorted(set(input_names) - expected_inputs - optional_inputs) + \
+            sorted(set(output_names) - expected_outputs)
+        problems = [f"missing {', '.join(missing)}"] if missing else []
+        problems += [f"unknown {', '.join(unknown)}"] if unknown else []
+        problems += ["a repeated input name"] if len(set(input_names)) != len(input_names) else []
+        problems += [f"outputs that do not start with '{LOGITS}'"] if output_names[:1] != [LOGITS] else []
+        for sig in (*inputs, *outputs):
+            wanted = INTEGER_DTYPES if sig.name in INTEGER_INPUTS else FLOAT_DTYPES
+            if sig.dtype not in wanted:
+                problems.append(f"'{sig.name}' of dtype {sig.dtype} (expected {' or '.join(wanted)})")
+            rank = RANKS.get(sig.name, 4 if parse_cache_name(sig.name) else None)
+            if rank is not None and len(sig.dims) != rank:
+                problems.append(f"'{sig.name}' of rank {len(sig.dims)} (expected {rank})")
+        if problems:
+            raise ValueError(f"the signature is not a {cache}-cache calling convention: {'; '.join(problems)}")
+        block_size = None
+        if cache == PAGED:
+            pool = next(sig for sig in inputs if sig.name == cache_input(PAGED, "key", 0))
+            block_size = pool.dims[1] if len(pool.dims) == 4 and isinstance(pool.dims[1], int) else None
+            if block_size is None or block_size < 1:
+                raise ValueError(f"the paged pool '{pool.name}' has no fixed block size: dims {list(pool.dims)}")
+        return cls(tuple(inputs), tuple(outputs), cache, layers, block_size, LOGITS_INDEX in input_names)
+
+    @property
+    def paged(self) -> bool:
+        return self.cache == PAGED
+
+    @property
+    def input_names(self) -> list[str]:
+        return [sig.name for sig in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [sig.name for sig in self.outputs]
+
+    def cache_inputs(self, kind: str) -> list[str]:
+        """Per-layer cache input names of K or V, layer order."""
+        return [cache_input(self.cache, kind, i) for i in range(self.num_layers)]
+
+    def cache_outputs(self, kind: str) -> list[str]:
+        """Per-layer cache output names of K or V, layer order."""
+        return [cache_output(self.cache, kind, i) for i in range(self.num_layers)]
+
+
+CONTRACT_METADATA_KEY = "fxllm.contract"  # model.onnx metadata: digest of the spec and signature it was built for
+
+
+def contract_digest(spec: dict[str, Any], inputs: list[TensorSig], outputs: list[TensorSig]) -> str:
+    """sha256 of the spec and signature a model file was lowered for. Lowering stores it in the ONNX metadata and
+    the runtime compares it with the manifest's, so a manifest edited after compilation (say, a raised
+    max_positions) is refused instead of silently running the model outside what it was built for."""
+    document = {"spec": spec, "inputs": [sig.to_dict() for sig in inputs],
+                "outputs": [sig.to_dict() for sig in outputs]}
+    return hashlib.sha256(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def signature_mismatch(io: ModelIO, actual_inputs: dict[str, tuple[str, int]],
+                       actual_outputs: dict[str, tuple[str, int]]) -> str | None:
+    """Compare the manifest's signature with a loaded model's {name: (dtype, rank)}; a description of the first
+    difference, or None when they agree."""
+    for side, expected, actual in (("input", io.inputs, actual_inputs), ("output", io.outputs, actual_outputs)):
+        names = {sig.name for sig in expected}
+        if names != set(actual):
+            extra, missing = sorted(set(actual) - names), sorted(names - set(actual))
+            return (f"the model's {side}s differ from the manifest's (model only: {', '.join(extra) or 'none'}; "
+                    f"manifest only: {', '.join(missing) or 'none'})")
+        for sig in expected:
+            dtype, rank = actual[sig.name]
+            if (dtype, rank) != (sig.dtype, len(sig.dims)):
+                return (f"{side} '{sig.name}' is {dtype} of rank {rank} in the model but {sig.dtype} of rank "
+                        f"{len(sig.dims)} in the manifest")
+    return None

@@ -1,0 +1,313 @@
+"""Reading an artifact's manifest.json: schema validation, path confinement, and file checksums.
+
+Nothing in a manifest is trusted: every field is type- and range-checked, every path it names must stay inside the
+artifact directory (relative, no `..`, no symlink resolving outside), and the graph signature must be a complete
+calling convention consistent with the model spec. Any violation is an ArtifactError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from fxllm.errors import ArtifactError
+from fxllm.runtime.artifact import sha256_file
+from fxllm.runtime.contract import (ARTIFACT_KIND, FLOAT_DTYPES, FORMAT_VERSION, MANIFEST_FILE, MAX_SPEC_K, TARGETS,
+                                    ModelIO, ModelSpec, TensorSig, cache_input)
+
+DRAFT_MODES = ("model", "self-int4", "self-layers", "ngram")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class SpeculativePlan:
+    mode: str  # one of DRAFT_MODES
+    k: int  # draft tokens per step, 1..MAX_SPEC_K
+    draft: Path | None  # the draft artifact's directory (modes with a model), inside this artifact
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated manifest. `data` is the JSON document itself (what `write_manifest` wrote)."""
+
+    directory: Path
+    data: dict[str, Any]
+    spec: ModelSpec
+    io: ModelIO
+    facts: frozenset[str]
+    target: str
+    model_file: Path
+    tokenizer_dir: Path
+    speculative: SpeculativePlan | None
+    int8_activations: bool  # the runtime's recommended default for quantized matmuls
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        return self.data["files"]
+
+
+def load_manifest(directory: str | os.PathLike, verify: bool = True) -> Manifest:
+    """Read and validate DIRECTORY/manifest.json; with `verify`, also checksum every file it lists."""
+    directory = Path(directory)
+    if not directory.exists():
+        raise ArtifactError(f"artifact '{directory}' does not exist")
+    if not directory.is_dir():
+        raise ArtifactError(f"artifact '{directory}' is a file, not an artifact directory")
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        raise ArtifactError(f"'{directory}' is not an fxllm artifact (no {MANIFEST_FILE}); compile one with "
+                            "`fxllm compile`")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ArtifactError(f"{path} is corrupt: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ArtifactError(f"{path} is corrupt: {exc}") from exc
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {path}: {exc.strerror}") from exc
+    manifest = parse_manifest(data, directory)
+    check_tokenizer_dir(manifest)
+    if verify:
+        verify_files(manifest)
+    return manifest
+
+
+def parse_manifest(data: Any, directory: Path) -> Manifest:
+    """Validate a manifest document against the schema; ArtifactError names the first bad field."""
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if not _is_int(version):
+        raise ArtifactError(f"{directory / MANIFEST_FILE} has no format_version; it was not written by fxllm")
+    if version > FORMAT_VERSION:
+        raise ArtifactError(f"artifact format version {version} is newer than this fxllm supports ({FORMAT_VERSION}); "
+                            f"upgrade fxllm (it was written by fxllm {data.get('fxllm_version', '?')})")
+    fields_ = _Fields(data, directory)
+    if "kind" in data and data["kind"] != ARTIFACT_KIND:
+        fields_.fail("kind", f"must be '{ARTIFACT_KIND}'")
+    fields_.typed("fxllm_version", str)
+    target = fields_.choice("target", TARGETS)
+    files = fields_.typed("files", dict)
+    for name, entry in files.items():
+        confine(directory, name, "files")
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])
+                and _is_int(entry.get("bytes")) and entry["bytes"] >= 0):
+            fields_.fail(f"files['{name}']", "must be {\"sha256\": 64 hex digits, \"bytes\": size}")
+    model_file = fields_.path("model_file", must_be_listed=True)
+    tokenizer_dir = fields_.path("tokenizer_dir")
+    spec = _spec(fields_.typed("spec", dict), fields_)
+    io = _io(fields_.typed("io", dict), spec, fields_)
+    facts = fields_.typed("facts", list)
+    if not all(isinstance(fact, str) for fact in facts):
+        fields_.fail("facts", "must be a list of strings")
+    if "kv-cache" not in facts:
+        raise ArtifactError(f"artifact '{directory}' was compiled without the kv-cache pass; recompile it")
+    if ("paged" in facts) != io.paged:
+        fields_.fail("facts", f"says {'' if 'paged' in facts else 'not '}paged, but the I/O is a {io.cache} cache")
+    _passes(fields_.typed("passes", list), fields_)
+    _tensorrt(data.get("tensorrt"), fields_)
+    runtime = fields_.typed("runtime", dict, default={})
+    int8 = runtime.get("int8_activations", False)
+    if not isinstance(int8, bool):
+        fields_.fail("runtime.int8_activations", "must be true or false")
+    return Manifest(directory, data, spec, io, frozenset(facts), target, model_file, tokenizer_dir,
+                    _speculative(data.get("speculative"), fields_), int8)
+
+
+def verify_files(manifest: Manifest) -> None:
+    """Every listed file exists, is a regular file inside the artifact, and has its recorded size and sha256."""
+    for name, entry in manifest.files.items():
+        file = confine(manifest.directory, name, "files")
+        if not file.is_file():
+            raise ArtifactError(f"artifact file '{name}' is missing from '{manifest.directory}'")
+        if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
+            raise ArtifactError(f"artifact file '{name}' is corrupt (checksum mismatch); recompile the artifact")
+
+
+def check_tokenizer_dir(manifest: Manifest) -> None:
+    """Tokenizer loaders read whatever files they find in their directory: every file there must be one the
+    manifest lists (and therefore checksums and confines), so nothing added later can change tokenization."""
+    if not manifest.tokenizer_dir.is_dir():
+        raise ArtifactError(f"the artifact's tokenizer directory '{manifest.data['tokenizer_dir']}' is missing")
+    root = manifest.directory.resolve()
+    for path in sorted(manifest.tokenizer_dir.rglob("*")):
+        relative = path.relative_to(root).as_posix()
+        if (path.is_file() or path.is_symlink()) and relative not in manifest.files:
+            raise ArtifactError(f"'{relative}' in the artifact's tokenizer directory is not part of the artifact (the "
+                                "manifest does not list it); remove it or recompile")
+
+
+def confine(directory: Path, relative: Any, field: str) -> Path:
+    """DIRECTORY/RELATIVE, refused unless RELATIVE is a relative path without `..` that resolves (symlinks
+    followed) inside DIRECTORY."""
+    if not isinstance(relative, str) or not relative or "\0" in relative or "\\" in relative:
+        raise ArtifactError(f"manifest field '{field}' names an invalid path {relative!r}")
+    posix = PurePosixPath(relative)
+    if posix.is_absolute() or PureWindowsPath(relative).drive or ".." in posix.parts:
+        raise ArtifactError(f"manifest field '{field}' names '{relative}', outside the artifact directory; only "
+                            "paths relative to the artifact, without '..', are allowed")
+    root = directory.resolve()
+    resolved = (root / posix).resolve()
+    if resolved != root and root not in resolved.parents:
+        raise ArtifactError(f"manifest field '{field}' names '{relative}', which resolves outside the artifact "
+                            f"directory (to '{resolved}')")
+    return resolved
+
+
+class _Fields:
+    """Typed access to a manifest's fields, failing with the field's name."""
+
+    def __init__(self, data: dict[str, Any], directory: Path):
+        self.data, self.directory = data, directory
+
+    def fail(self, field: str, problem: str):
+        raise ArtifactError(f"{self.directory / MANIFEST_FILE}: field '{field}' {problem}; recompile the artifact")
+
+    def typed(self, key: str, kind: type, default: Any = None) -> Any:
+        if key not in self.data:
+            if default is not None:
+                return default
+            raise ArtifactError(f"{self.directory / MANIFEST_FILE} is incomplete (missing {key}); recompile the "
+                                "artifact")
+        value = self.data[key]
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            self.fail(key, f"must be a JSON {_json_name(kind)}, not {type(value).__name__}")
+        return value
+
+    def choice(self, key: str, choices: tuple[str, ...]) -> str:
+        value = self.typed(key, str)
+        if value not in choices:
+            self.fail(key, f"must be one of {', '.join(choices)}, not '{value}'")
+        return value
+
+    def path(self, key: str, must_be_listed: bool = False) -> Path:
+        relative = self.typed(key, str)
+        resolved = confine(self.directory, relative, key)
+        if must_be_listed and relative not in self.data["files"]:
+            raise ArtifactError(f"{self.directory / MANIFEST_FILE} does not checksum {relative}; recompile the "
+                                "artifact")
+        return resolved
+
+
+def _spec(data: dict[str, Any], fields_: _Fields) -> ModelSpec:
+    hints = get_type_hints(ModelSpec)
+    known = {f.name for f in fields(ModelSpec)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        fields_.fail(f"spec.{unknown[0]}", "is not a model-spec field")
+    for name in known & set(data):
+        if not _matches(data[name], hints[name]):
+            fields_.fail(f"spec.{name}", f"has the wrong type ({type(data[name]).__name__}, expected {hints[name]})")
+    try:
+        spec = ModelSpec.from_dict(data)
+    except TypeError as exc:  # a required field is missing
+        fields_.fail("spec", f"is incomplete ({exc})")
+    for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_positions"):
+        if getattr(spec, name) < 1:
+            fields_.fail(f"spec.{name}", "must be >= 1")
+    if spec.num_heads % spec.num_kv_heads:
+        fields_.fail("spec.num_kv_heads", f"({spec.num_kv_heads}) must divide num_heads ({spec.num_heads})")
+    if spec.dtype not in FLOAT_DTYPES:
+        fields_.fail("spec.dtype", f"must be one of {', '.join(FLOAT_DTYPES)}")
+    for token in (*spec.eos_token_ids, spec.bos_token_id, spec.pad_token_id):
+        if token is not None and not 0 <= token < spec.vocab_size:
+            fields_.fail("spec", f"names token id {token}, outside the vocabulary of {spec.vocab_size}")
+    return spec
+
+
+def _io(data: dict[str, Any], spec: ModelSpec, fields_: _Fields) -> ModelIO:
+    signatures = {}
+    for side in ("inputs", "outputs"):
+        items = data.get(side)
+        if not isinstance(items, list) or not items:
+            fields_.fail(f"io.{side}", "must be a non-empty list of tensor signatures")
+        for item in items:
+            if not (isinstance(item, dict) and set(item) == {"name", "dims", "dtype"} and isinstance(item["name"], str)
+                    and isinstance(item["dtype"], str) and isinstance(item["dims"], list)
+                    and all(isinstance(d, str) and d or _is_int(d) and d >= 0 for d in item["dims"])):
+                fields_.fail(f"io.{side}", f"holds {str(item)[:80]}, not a {{name, dims, dtype}} tensor signature")
+        signatures[side] = [TensorSig.from_dict(item) for item in items]
+    try:
+        io = ModelIO.from_signature(signatures["inputs"], signatures["outputs"])
+    except ValueError as exc:
+        fields_.fail("io", str(exc))
+    if io.num_layers != spec.num_layers:
+        fields_.fail("io", f"has KV caches for {io.num_layers} layers, the spec {spec.num_layers}")
+    pool = next(sig for sig in io.inputs if sig.name == cache_input(io.cache, "key", 0))
+    heads, head_dim = (pool.dims[2], pool.dims[3]) if io.paged else (pool.dims[1], pool.dims[3])
+    if (heads, head_dim) != (spec.num_kv_heads, spec.head_dim):
+        fields_.fail("io", f"caches {heads} KV heads of {head_dim}, the spec {spec.num_kv_heads} of {spec.head_dim}")
+    if io.outputs[0].dims[-1] != spec.vocab_size:
+        fields_.fail("io", f"gives {io.outputs[0].dims[-1]} logits per token, the spec's vocabulary is {spec.vocab_size}")
+    return io
+
+
+def _passes(records: list[Any], fields_: _Fields) -> None:
+    for record in records:
+        if not (isinstance(record, dict) and isinstance(record.get("name"), str)
+                and isinstance(record.get("options"), dict) and _is_number(record.get("seconds"))
+                and isinstance(record.get("drift"), dict) and all(_is_number(v) for v in record["drift"].values())):
+            fields_.fail("passes", f"holds {str(record)[:80]}, not a pass record")
+
+
+def _tensorrt(data: Any, fields_: _Fields) -> None:
+    """The engine.plan record `fxllm build-engine` adds; absent until an engine is built."""
+    if data is None:
+        return
+    if not (isinstance(data, dict) and all(isinstance(data.get(k), str) for k in ("version", "compute_capability"))
+            and isinstance(data.get("profile"), dict)):
+        fields_.fail("tensorrt", "must record version, compute_capability, plan_file and profile")
+    if data.get("plan_file") not in fields_.data["files"]:
+        fields_.fail("tensorrt.plan_file", "must name a file the manifest checksums")
+    confine(fields_.directory, data["plan_file"], "tensorrt.plan_file")
+
+
+def _speculative(data: Any, fields_: _Fields) -> SpeculativePlan | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict) or data.get("mode") not in DRAFT_MODES:
+        fields_.fail("speculative.mode", f"must be one of {', '.join(DRAFT_MODES)}")
+    k = data.get("k")
+    if not _is_int(k) or not 1 <= k <= MAX_SPEC_K:
+        fields_.fail("speculative.k", f"must be an integer from 1 to {MAX_SPEC_K}")
+    draft = data.get("draft")
+    if (draft is None) != (data["mode"] == "ngram"):
+        fields_.fail("speculative.draft", f"must {'not ' if data['mode'] == 'ngram' else ''}name a draft directory "
+                                          f"in mode {data['mode']}")
+    path = confine(fields_.directory, draft, "speculative.draft") if draft is not None else None
+    return SpeculativePlan(data["mode"], k, path)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a ModelSpec annotation (int, str, bool, float, X | None, list[X], dict[str, X])."""
+    origin = get_origin(hint)
+    if origin is Union or type(hint).__name__ == "UnionType":
+        return any(_matches(value, arm) for arm in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is Any:
+        return True
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, get_args(hint)[0]) for v in value)
+    if origin is dict:
+        key, item = get_args(hint)
+        return isinstance(value, dict) and all(_matches(k, key) and _matches(v, item) for k, v in value.items())
+    if hint is int:
+        return _is_int(value)
+    if hint is float:
+        return _is_number(value)
+    return isinstance(value, hint) and not (isinstance(value, bool) and hint is not bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _json_name(kind: type) -> str:
+    return {dict: "object", list: "array", str: "string", int: "integer", bool: "boolean"}.get(kind, kind.__name__)
