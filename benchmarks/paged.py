@@ -372,7 +372,7 @@ def identical(run: RunStats, reference: RunStats) -> str:
 
 def throughput_prompts(tokenizer: Any, count: int, seed: int) -> list[list[int]]:
     """`count` distinct windows of the corpus's tokens, of lengths drawn from PROMPT_TOKENS."""
-    ids = list(tokenizer(CORPUS)["input_ids"])
+    ids = list(tokenizer.encode(CORPUS))
     low, high = PROMPT_TOKENS
     if len(ids) < high + count:
         raise SystemExit(f"paged.py: the corpus has {len(ids)} tokens, too few for {count} prompts")
@@ -418,11 +418,11 @@ def measure_throughput(engine: Any, args: argparse.Namespace, prompts: list[list
 def prefix_prompts(tokenizer: Any, count: int, system_tokens: int) -> tuple[list[int], list[list[int]]]:
     """A `system_tokens`-token system prompt (SYSTEM_TEXT repeated, truncated by tokens) and `count` prompts that
     append a distinct short question to it."""
-    system = list(tokenizer(SYSTEM_TEXT)["input_ids"])
+    system = list(tokenizer.encode(SYSTEM_TEXT))
     while len(system) < system_tokens:
-        system = list(tokenizer(" ".join([SYSTEM_TEXT] * (system_tokens // max(len(system), 1) + 2)))["input_ids"])
+        system = list(tokenizer.encode(" ".join([SYSTEM_TEXT] * (system_tokens // max(len(system), 1) + 2))))
     system = system[:system_tokens]
-    questions = [list(tokenizer(f"\n\nQuestion: Can you tell me about {topic}?\nAnswer:")["input_ids"])
+    questions = [list(tokenizer.encode(f"\n\nQuestion: Can you tell me about {topic}?\nAnswer:"))
                  for topic in QUESTION_TOPICS[:count]]
     return system, [system + q for q in questions]
 

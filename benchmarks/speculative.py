@@ -368,8 +368,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
              Row("ngram k=4", "ngram", artifacts["ngram"], 4)]
     engines = load_engines(rows, args.threads)
     tokenizer = engines[BASELINE].tokenizer
-    natural = [list(tokenizer(p)["input_ids"]) for p in NATURAL_PROMPTS[:args.prompts]]
-    editing = [list(tokenizer(EDITING_PROMPT)["input_ids"])]
+    natural = [list(tokenizer.encode(p)) for p in NATURAL_PROMPTS[:args.prompts]]
+    editing = [list(tokenizer.encode(EDITING_PROMPT))]
     max_positions = engines[BASELINE].max_context
     if max(len(ids) for ids in natural + editing) + args.new_tokens > max_positions:
         parser.error(f"the prompts plus {args.new_tokens} new tokens exceed the context of {max_positions}")

@@ -19,6 +19,7 @@ from fxllm.runtime.backend_ort import OrtBackend
 from fxllm.runtime.detokenizer import IncrementalDetokenizer
 from fxllm.runtime.kv_cache import ContiguousKVCache
 from fxllm.runtime.sampler import Sampler, SamplingParams
+from fxllm.runtime.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -102,13 +103,7 @@ class Engine:
             runner = TrtBackend(directory, manifest.data)
         else:
             raise ArtifactError(f"unknown backend '{backend}' (available: onnxruntime, tensorrt)")
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_dir)
-        except Exception as exc:
-            raise ArtifactError(f"cannot load the artifact's tokenizer: {exc}") from exc
-        engine = cls(directory, manifest, runner, tokenizer)
+        engine = cls(directory, manifest, runner, load_tokenizer(manifest.tokenizer_dir))
         engine.kv_cache_memory, engine.kv_blocks = kv_cache_memory, kv_blocks
         engine.max_batch, engine.max_tokens_per_step = max_batch, max_tokens_per_step
         engine.prefix_caching = prefix_caching
@@ -174,16 +169,10 @@ class Engine:
         return self.spec.max_positions
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        if chat:
-            if not self.tokenizer.chat_template:
-                raise GenerationError("this model's tokenizer has no chat template; generate without chat=True")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            ids = self.tokenizer(prompt)["input_ids"]
-        return list(ids)
+        if chat:  # the template writes the special tokens itself
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
 
     # -- public API ---------------------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ def test_stop_string_ends_generation(engine):
 
 def test_chat_template_is_applied(engine):
     ids = engine.encode("hi", chat=True)
-    text = engine.tokenizer.decode(ids)
+    text = engine.tokenizer.decode(ids, skip_special_tokens=False)
     assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
 
 

@@ -1,0 +1,189 @@
+"""The runtime's tokenizer (runtime/tokenizer.py, no transformers) against transformers' AutoTokenizer on the same
+directory: token ids, decoding, special tokens and chat templates, for SmolLM2's tokenizer, a tiny artifact's, and
+tokenizers of other families built offline (byte-level BPE, SentencePiece-style BPE, WordPiece with a hand-written
+config)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from fxllm.errors import ArtifactError, GenerationError
+from fxllm.runtime.tokenizer import load_tokenizer
+from tests.tokenizer_families import CONVERSATIONS, build_family, parity_strings
+
+FAMILIES = ["gpt2-bpe", "llama-spm", "wordpiece-raw"]
+BYTE_LEVEL = {"smollm2", "tiny-artifact", "gpt2-bpe-source", "gpt2-bpe-artifact"}
+STRINGS = parity_strings()
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizer-families")
+    dirs = {}
+    for name in FAMILIES:
+        dirs[f"{name}-source"], dirs[f"{name}-artifact"] = build_family(name, root)
+    return dirs
+
+
+@pytest.fixture(scope="module", params=["smollm2", "tiny-artifact", *(f"{n}-{kind}" for n in FAMILIES
+                                                                       for kind in ("source", "artifact"))])
+def pair(request, tokenizer_dir, make_tiny_artifact, family_dirs):
+    """(name, the runtime's tokenizer, transformers' tokenizer) for one directory."""
+    from transformers import AutoTokenizer
+
+    name = request.param
+    directory = {"smollm2": tokenizer_dir, "tiny-artifact": make_tiny_artifact("llama") / "tokenizer",
+                 **family_dirs}[name]
+    return name, load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
+
+
+def test_token_ids_match_transformers(pair):
+    name, ours, reference = pair
+    assert len(STRINGS) >= 300
+    mismatches = [(text, special) for text in STRINGS for special in (True, False)
+                  if ours.encode(text, add_special_tokens=special)
+                  != reference.encode(text, add_special_tokens=special)]
+    assert not mismatches, f"{name}: {len(mismatches)} mismatches, first {mismatches[:3]}"
+
+
+def test_decoding_matches_transformers_and_round_trips(pair):
+    name, ours, reference = pair
+    round_trips = 0
+    for text in STRINGS:
+        ids = reference.encode(text)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip), \
+                (name, text, skip)
+        plain = ours.encode(text, add_special_tokens=False)
+        round_trips += ours.decode(plain, skip_special_tokens=False) == text
+    if name in BYTE_LEVEL:  # byte-level BPE is lossless
+        assert round_trips == len(STRINGS)
+    else:  # normalizers (lowercasing, '▁' handling) lose some text; transformers loses exactly the same
+        assert round_trips == sum(reference.decode(reference.encode(t, add_special_tokens=False)) == t
+                                  for t in STRINGS)
+
+
+def test_special_tokens_and_vocabulary_match_transformers(pair):
+    name, ours, reference = pair
+    for attribute in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(ours, attribute) == getattr(reference, attribute), (name, attribute)
+    assert ours.vocab_size == len(reference)
+    assert ours.special_tokens == reference.special_tokens_map
+    sample = sorted({*range(0, ours.vocab_size, 97), *range(ours.vocab_size - 12, ours.vocab_size + 3)})
+    assert [ours.id_to_token(i) for i in sample] == [reference.convert_ids_to_tokens(i) for i in sample]
+    assert ours.decode([ours.vocab_size + 5]) == ""  # out of vocabulary: nothing, as transformers
+
+
+def test_token_bytes_rebuild_the_text(pair):
+    name, ours, _ = pair
+    if name not in BYTE_LEVEL and not name.startswith("llama-spm"):
+        pytest.skip("token_bytes is exact for byte-level, byte-fallback and '▁' vocabularies only")
+    texts = [t for t in STRINGS if t and not t[0].isspace() and not any(s in t for s in ("<s>", "</s>", "<unk>", "<|"))]
+    assert len(texts) > 100
+    for text in texts:
+        joined = b"".join(ours.token_bytes(i) for i in ours.encode(text, add_special_tokens=False))
+        # the SentencePiece-style vocabulary writes the space it prepends to the text ('▁' first)
+        assert joined == (text if name in BYTE_LEVEL else " " + text).encode("utf-8"), (name, text)
+
+
+def test_chat_templates_match_transformers(pair):
+    """Every conversation, with and without the generation prompt: the same text and ids, or both refuse it."""
+    name, ours, reference = pair
+    assert (ours.chat_template is None) == (reference.chat_template is None)
+    if ours.chat_template is None:
+        with pytest.raises(GenerationError, match="has no chat template"):
+            ours.apply_chat_template(CONVERSATIONS[0])
+        return
+    rendered = refused = 0
+    for conversation in CONVERSATIONS:
+        for generation_prompt in (True, False):
+            try:
+                expected = reference.apply_chat_template(conversation, add_generation_prompt=generation_prompt,
+                                                         tokenize=False)
+            except Exception as exc:  # the template refuses it (e.g. roles must alternate): so must ours
+                with pytest.raises(GenerationError, match="refused the conversation") as caught:
+                    ours.apply_chat_template(conversation, add_generation_prompt=generation_prompt)
+                assert str(exc) in str(caught.value) and "\n" not in str(caught.value)
+                refused += 1
+                continue
+            text = ours.apply_chat_template(conversation, add_generation_prompt=generation_prompt)
+            assert text == expected, (name, conversation, generation_prompt)
+            ids = reference.apply_chat_template(conversation, add_generation_prompt=generation_prompt)["input_ids"]
+            assert ours.encode(text, add_special_tokens=False) == ids
+            rendered += 1
+    assert rendered >= 5 * 2 or (name.startswith("llama-spm") and rendered >= 4 and refused), (rendered, refused)
+
+
+def test_named_templates_and_tools(family_dirs):
+    from transformers import AutoTokenizer
+
+    for directory in (family_dirs["wordpiece-raw-source"], family_dirs["wordpiece-raw-artifact"]):
+        ours, reference = load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
+        assert isinstance(ours.chat_template, dict) and set(ours.chat_template) == {"default", "tool_use"}
+        tools = [{"type": "function", "function": {"name": "f", "description": "<é> & \"x\""}}]
+        for kwargs in ({"tools": tools}, {"chat_template": "tool_use"}, {}):
+            assert ours.apply_chat_template(CONVERSATIONS[2], **kwargs) == reference.apply_chat_template(
+                CONVERSATIONS[2], add_generation_prompt=True, tokenize=False, **kwargs)
+    rich = load_tokenizer(family_dirs["gpt2-bpe-artifact"])
+    assert "<tools>[{\"type\": \"function\"" in rich.apply_chat_template(CONVERSATIONS[1], tools=tools)
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ raise_exception('no system messages here') }}", "refused the conversation: no system messages here"),
+    ("{{ messages.__class__.__mro__ }}", "failed: access to attribute '__class__' .* is unsafe"),  # the sandbox
+    ("{% set ns = namespace() %}{% set ns._x = 1 %}", "failed: .*cannot set the attribute '_x'"),
+    ("{{ messages[5]['content'].upper() }}", "the chat template failed"),
+    ("{% for m in messages %}", "does not parse"),
+])
+def test_template_failures_are_one_line_generation_errors(tokenizer_dir, template, message):
+    ours = load_tokenizer(tokenizer_dir)
+    with pytest.raises(GenerationError, match=message) as caught:
+        ours.apply_chat_template(CONVERSATIONS[0], chat_template=template)
+    assert "\n" not in str(caught.value)
+
+
+def test_bad_conversations_are_refused(tokenizer_dir):
+    ours = load_tokenizer(tokenizer_dir)
+    for messages in ([], "hello", ["hello"]):
+        with pytest.raises(GenerationError):
+            ours.apply_chat_template(messages)
+    with pytest.raises(GenerationError, match="tools must be a list of JSON objects"):
+        ours.apply_chat_template(CONVERSATIONS[0], tools=[print])
+    with pytest.raises(GenerationError, match="can only tokenize text"):
+        ours.encode(None)
+
+
+def test_bad_tokenizer_files_are_artifact_errors(tokenizer_dir, tmp_path):
+    copy = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, copy)
+    (copy / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="tokenizer_config.json is corrupt"):
+        load_tokenizer(copy)
+    (copy / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"lstrip": True}}))
+    with pytest.raises(ArtifactError, match="has no text"):
+        load_tokenizer(copy)
+    (copy / "tokenizer_config.json").write_text("{}")
+    (copy / "tokenizer.json").write_text('{"model": 1}')
+    with pytest.raises(ArtifactError, match="cannot read .*tokenizer.json"):
+        load_tokenizer(copy)
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises(ArtifactError, match="has no tokenizer.json"):
+        load_tokenizer(copy)
+
+
+def test_engine_encode_matches_the_transformers_path(make_tiny_artifact):
+    """What Engine.encode did with transformers (AutoTokenizer, apply_chat_template(tokenize=True)) it still does."""
+    from transformers import AutoTokenizer
+
+    import fxllm
+
+    artifact = make_tiny_artifact("llama")
+    engine, reference = fxllm.load(artifact), AutoTokenizer.from_pretrained(artifact / "tokenizer")
+    for prompt in STRINGS[:60]:
+        if prompt:
+            assert engine.encode(prompt) == reference(prompt)["input_ids"]
+        chat = reference.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        assert engine.encode(prompt, chat=True) == chat["input_ids"]
