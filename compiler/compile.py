@@ -13,7 +13,7 @@ from fxllm.compiler.pass_manager import PassRecord, run_pipeline
 from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tokenizer, check_same_vocab,
                                   parse_draft, truncate_layers)
 from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
-from fxllm.compiler.progress import status
+from fxllm.progress import status
 from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source, source_architecture
 from fxllm.errors import PipelineError, UnsupportedModelError
 

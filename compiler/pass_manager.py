@@ -13,7 +13,7 @@ from fxllm.compiler.interface import run_sequence
 from fxllm.compiler.lint import LintError, lint
 from fxllm.compiler.pipeline import PipelineStep
 from fxllm.compiler.program import AppliedPass, Program
-from fxllm.compiler.progress import progress
+from fxllm.progress import progress
 from fxllm.errors import FxllmError
 
 

@@ -23,3 +23,7 @@ class ArtifactError(FxllmError):
 
 class GenerationError(FxllmError):
     """A request the engine cannot serve, e.g. a prompt longer than the context."""
+
+
+class MissingDependencyError(FxllmError, ImportError):
+    """An optional part of fxllm (an extra, e.g. the compiler) is not installed; the message names the pip command."""

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from fxllm.compiler.progress import progress
 from fxllm.errors import FxllmError, ModelSourceError
+from fxllm.progress import progress
 from fxllm.runtime.contract import MANIFEST_FILE
 
 
 class Scorer:
-    """Full-window logits from either a compiled artifact (ONNX Runtime) or a source model (transformers, fp32)."""
+    """Full-window logits from either a compiled artifact (ONNX Runtime; the runtime alone) or a source model
+    (transformers, fp32; needs the compile extra). Both tokenizers have `encode(text)` with special tokens added."""
 
     def __init__(self, model: str | os.PathLike, int8_activations: bool | None = None):
         self.name = str(model)
@@ -84,7 +85,7 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 def evaluate(model: str, text_path: str | os.PathLike, ctx: int = 512, max_tokens: int | None = None,
              reference: str | None = None, int8_activations: bool | None = None) -> EvalReport:
     """Perplexity of `model` on a text file (or a named public-domain text: 'britannica')."""
-    from fxllm.compiler.quant.datasets import dataset_names, dataset_path
+    from fxllm.datasets import dataset_names, dataset_path
 
     if str(text_path) in dataset_names() and not Path(text_path).exists():
         text_path = dataset_path(str(text_path))
@@ -96,13 +97,13 @@ def evaluate(model: str, text_path: str | os.PathLike, ctx: int = 512, max_token
     scorer = Scorer(model, int8_activations)
     if ctx > scorer.max_context:
         raise FxllmError(f"--ctx {ctx} exceeds the model's context of {scorer.max_context} tokens")
-    ids = scorer.tokenizer(path.read_text(encoding="utf-8"))["input_ids"]
+    ids = scorer.tokenizer.encode(path.read_text(encoding="utf-8"))
     if max_tokens:
         ids = ids[:max_tokens]
     if len(ids) < 2:
         raise FxllmError(f"'{text_path}' has fewer than 2 tokens; nothing to score")
     ref = Scorer(reference) if reference else None
-    if ref is not None and ref.tokenizer(path.read_text(encoding="utf-8"))["input_ids"][: len(ids)] != ids:
+    if ref is not None and ref.tokenizer.encode(path.read_text(encoding="utf-8"))[: len(ids)] != ids:
         raise FxllmError("the reference tokenizes the text differently; KL and agreement need identical tokens")
 
     nll = ref_nll = kl = 0.0

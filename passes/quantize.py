@@ -20,7 +20,7 @@ from fxllm.compiler.quant.calibration import calibration_tokens, read_calibratio
 from fxllm.compiler.quant.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program
-from fxllm.compiler.progress import counter, progress
+from fxllm.progress import counter, progress
 from fxllm.compiler.projections import constant, drop_unused_attributes
 from fxllm.compiler.quant.numerics import QuantFormat, dequantize_codes, relative_error, round_to_nearest
 from fxllm.compiler.quant.folding import input_scale_folder
@@ -89,7 +89,7 @@ def quantize(program: Program, *, method: str = "int8", group_size: int = 128, l
 def _report_tokens(program: Program, calib: str, samples: int, seq_len: int) -> torch.Tensor | None:
     """A few calibration samples on which data-free methods report each layer's output error; None (no report)
     when no text is at hand — rounding itself needs none, so this never fails the compile nor downloads."""
-    from fxllm.compiler.quant.datasets import dataset_cached, dataset_names
+    from fxllm.datasets import dataset_cached, dataset_names
 
     if calib in dataset_names() and not dataset_cached(calib):
         return None

@@ -41,7 +41,7 @@ def calibration_tokens(tokenizer, text: str, samples: int, seq_len: int, source:
 
 def read_calibration_text(path: str) -> tuple[str, str]:
     """(text, source name) from a file path, or from a named public-domain dataset ('shakespeare')."""
-    from fxllm.compiler.quant.datasets import dataset_names, dataset_text
+    from fxllm.datasets import dataset_names, dataset_text
 
     if path in dataset_names() and not Path(path).exists():
         return dataset_text(path), path

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fxllm.compiler.progress import status
+from fxllm.progress import status
 from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
 from fxllm.errors import FxllmError
 from fxllm.runtime.artifact import write_manifest

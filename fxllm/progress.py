@@ -1,7 +1,9 @@
-"""Progress bars for long steps: on for terminals, quiet in CI and when FXLLM_QUIET is set."""
+"""Progress bars for long steps: on for terminals, quiet in CI and when FXLLM_QUIET is set, and absent (no error)
+where tqdm is not installed: it comes with the compiler extra, and the runtime-only install has no bars."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Iterable
@@ -11,7 +13,7 @@ T = TypeVar("T")
 
 
 def enabled() -> bool:
-    return sys.stderr.isatty() and not os.environ.get("FXLLM_QUIET")
+    return sys.stderr.isatty() and not os.environ.get("FXLLM_QUIET") and importlib.util.find_spec("tqdm") is not None
 
 
 def progress(items: Iterable[T], **kwargs) -> Iterable[T]:
