@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also measure onnxruntime-genai's model builder output VARIANT (int4, int4-float-head, "
                              "int4-int8-head, fp32; repeatable), built once with benchmarks/ortgenai_baseline.py in a "
                              "venv of its own (see that file); the first one is the 'vs ortgenai' reference")
-    parser.add_argument("--ortgenai-python", help="python of the onnxruntime-genai venv (default /work/ortgenai-venv)")
+    parser.add_argument("--ortgenai-python", help="python of the onnxruntime-genai venv (default ~/.cache/fxllm/ortgenai-venv)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     return parser
 

@@ -40,16 +40,31 @@ def masked_attention(q, k, v, mask, scale: float):
     return out
 
 
-def dequant_linear(x, qweight, scales, bias, block_size: int):
+def dequant_linear(x, qweight, scales, offsets, bias, block_size: int):
     """fxllm::dequant_linear → DequantizeLinear (opset 21+: per output column, or blocked along the input axis,
     no zero point) → MatMul (+ Add): the weight-only pattern TensorRT builds quantized GEMMs from and ONNX Runtime
-    fuses into MatMulNBits. INT4 weights are packed by lowering (see onnx_export.pack_int4_weights)."""
+    fuses into MatMulNBits. INT4 weights are packed by lowering (see onnx_export.pack_int4_weights). Asymmetric
+    formats add their per-block offsets exactly, in standard ops: the input summed per block, times the small
+    [blocks, out] offset matrix (TensorRT's INT4 path takes no zero point; see block_sums)."""
     if block_size == 0:
         weight = op.DequantizeLinear(qweight, scales, axis=1)
     else:
         weight = op.DequantizeLinear(qweight, scales, axis=0, block_size=block_size)
     out = op.MatMul(x, weight)
+    if offsets is not None:
+        out = op.Add(out, op.MatMul(block_sums(x, block_size, qweight.shape[0]), offsets))
     return op.Add(out, bias) if bias is not None else out
+
+
+def block_sums(x, block_size: int, in_features: int):
+    """[..., K] → [..., ceil(K / block_size)]: x summed over each block of the last dim; a ragged last block is
+    padded with zeros first."""
+    pad = -in_features % block_size
+    if pad:
+        zeros = op.ConstantOfShape(op.Concat(op.Shape(x, start=0, end=-1), op.Constant(value_ints=[pad]), axis=0))
+        x = op.Concat(x, zeros, axis=-1)
+    shape = op.Concat(op.Shape(x, start=0, end=-1), op.Constant(value_ints=[-1, block_size]), axis=0)
+    return op.ReduceSum(op.Reshape(x, shape), op.Constant(value_ints=[-1]), keepdims=0)
 
 
 def dequant_embedding(codes, scales, ids, block_size: int):
