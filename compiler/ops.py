@@ -82,16 +82,20 @@ def _dequant_linear_fake(x, qweight, scales, offsets, bias, block_size):
 
 
 @torch.library.custom_op("fxllm::dequant_embedding", mutates_args=())
-def dequant_embedding(codes: Tensor, scales: Tensor, ids: Tensor, block_size: int) -> Tensor:
+def dequant_embedding(codes: Tensor, scales: Tensor, ids: Tensor, block_size: int, transposed: bool = False) -> Tensor:
     """Rows of a quantized embedding table: codes [vocab, hidden] (int8; int4 values in int8), scales
-    [vocab, ceil(hidden / block_size)] → float [..., hidden] for ids [...]."""
+    [vocab, ceil(hidden / block_size)] → float [..., hidden] for ids [...]. transposed: codes [hidden, vocab] and
+    scales [blocks, vocab], i.e. a tied lm_head's own dequant_linear weight, read column-wise (one stored copy)."""
+    if transposed:
+        return dequantize(codes[:, ids.reshape(-1)], scales[:, ids.reshape(-1)].to(torch.float32), block_size
+                          ).t().reshape(*ids.shape, codes.shape[0])
     rows = codes[ids].to(scales.dtype)
     return rows * scales[ids].repeat_interleave(block_size, -1)[..., : codes.shape[1]]
 
 
 @dequant_embedding.register_fake
-def _dequant_embedding_fake(codes, scales, ids, block_size):
-    return scales.new_empty((*ids.shape, codes.shape[1]))
+def _dequant_embedding_fake(codes, scales, ids, block_size, transposed=False):
+    return scales.new_empty((*ids.shape, codes.shape[0] if transposed else codes.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("fxllm::gather_blocks", mutates_args=())

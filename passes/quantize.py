@@ -12,6 +12,7 @@ embedding(W, ids) → dequant_embedding(codes, scales, ids) (Gather of rows, the
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -24,14 +25,15 @@ from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program
 from fxllm.compiler.progress import counter, progress
 from fxllm.compiler.projections import constant, drop_unused_attributes
-from fxllm.compiler.quant.numerics import QuantFormat, Quantized, dequantize_codes, relative_error, round_to_nearest
+from fxllm.compiler.quant.numerics import HALF_SUFFIX, QuantFormat, dequantize_codes, relative_error, round_to_nearest
 from fxllm.compiler.quant.folding import input_scale_folder
+from fxllm.compiler.quant.gguf_exact import EXACT_TYPES, FLOAT_TYPES, GGUFWeights
 from fxllm.passes.fuse_projections import FUSED_FROM
 from fxllm.errors import FxllmError, PipelineError
 
 aten = torch.ops.aten
 Node = torch.fx.Node
-METHODS = ("int8", "int4-rtn", "int4-gptq", "int4-awq")
+METHODS = ("int8", "int4-rtn", "int4-gptq", "int4-awq", "gguf")
 CALIBRATED = ("int4-gptq", "int4-awq")
 REPORT_SAMPLES = 4  # calibration samples the data-free methods use for their per-layer output errors
 SIDE_MODES = ("float", "int8", "int4")  # lm_head and embedding
@@ -48,6 +50,7 @@ class QuantizedLinear:
     output_error: float | None = None
     rtn_output_error: float | None = None  # round-to-nearest's output error on the same inputs, for comparison
     note: str = ""
+    half_scales: bool = False  # the scales hold float16 values (GGUF blocks): lowering stores them as float16
 
 
 @register_pass("quantize", requires=("captured",), provides=("quantized",), forbids=("quantized", "kv-cache"),
@@ -57,6 +60,8 @@ def quantize(program: Program, *, method: str = "int8", group_size: int = 128, l
              damp: float = 0.01, act_order: bool = True, mse: bool = True, zero_point: bool = False) -> Program:
     """Weight-only int8 / int4 (RTN, GPTQ, AWQ) quantization of linear layers; zero_point: asymmetric int4."""
     _check_options(method, group_size, lm_head, embedding)
+    if method == "gguf":
+        return _keep_gguf_blocks(program)
     head = _logits_linear(program)
     linears = [n for n in program.graph.nodes if n.target is aten.linear.default and n is not head
                and constant(program, n.args[1]) is not None]
@@ -234,22 +239,24 @@ def _layer_report(result: QuantizedLinear) -> dict:
             "note": result.note}
 
 
-def _rewrite(program: Program, result: QuantizedLinear, index: int) -> None:
+def _rewrite(program: Program, result: QuantizedLinear, index: int) -> tuple[str, str]:
+    """linear → dequant_linear on new buffers; → the names of its codes and scales buffers."""
     graph, node = program.graph, result.node
     prefix = f"quantized_{index}"
     codes = f"{prefix}_int{result.fmt.bits}_codes"  # lowering packs the *_int4_codes two per byte
+    scales = f"{prefix}_scales" + (HALF_SUFFIX if result.half_scales else "")
     program.graph_module.register_buffer(codes, result.codes.t().contiguous())
-    program.graph_module.register_buffer(f"{prefix}_scales", result.scales.contiguous())
+    program.graph_module.register_buffer(scales, result.scales.contiguous())
     if result.offsets is not None:
         program.graph_module.register_buffer(f"{prefix}_offsets", result.offsets.contiguous())
     bias = node.args[2] if len(node.args) > 2 else None
     with graph.inserting_before(node):
         offsets = graph.get_attr(f"{prefix}_offsets") if result.offsets is not None else None
         replacement = graph.call_function(torch.ops.fxllm.dequant_linear.default, (
-            node.args[0], graph.get_attr(codes), graph.get_attr(f"{prefix}_scales"), offsets, bias,
-            result.fmt.group_size))
+            node.args[0], graph.get_attr(codes), graph.get_attr(scales), offsets, bias, result.fmt.group_size))
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)
+    return codes, scales
 
 
 def _quantize_embedding(program: Program, fmt: QuantFormat) -> None:
@@ -269,3 +276,66 @@ def _quantize_embedding(program: Program, fmt: QuantFormat) -> None:
                 node.args[1], fmt.group_size))
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
+
+
+def _keep_gguf_blocks(program: Program) -> Program:
+    """method gguf: every linear (and the embedding) whose GGUF tensors are of an exact type takes those blocks as
+    stored (compiler/quant/gguf_exact.py); a tied embedding reads the lm_head's blocks (one stored copy). Layers of
+    other quantized types keep transformers' float weights, and the compile says which (a printed fallback)."""
+    if program.source_file is None:
+        raise PipelineError("quantize: method gguf keeps a GGUF file's own blocks, and this model was not loaded "
+                            "from a GGUF file")
+    spec = program.spec
+    weights = GGUFWeights(program.source_file, spec.num_layers)
+    kv_heads = spec.source_num_kv_heads or spec.num_kv_heads
+    start = time.perf_counter()
+    head = _logits_linear(program)
+    linears = [n for n in program.graph.nodes if n.target is aten.linear.default
+               and constant(program, n.args[1]) is not None]
+    kept: dict[str, tuple[str, str]] = {}  # GGUF tensor name → (codes, scales) buffers of the layer holding it
+    fallbacks: dict[str, str] = {}  # HF weight name → its GGUF type, for layers left float
+    layers = []
+    for index, node in enumerate(linears):
+        names = node.meta.get(FUSED_FROM, [str(node.args[1].target)])
+        types = {weights.type_of(name) for name in names}
+        if not types <= set(EXACT_TYPES) or len({t == "Q8_0" for t in types}) > 1 or \
+                len({t == "Q4_1" for t in types}) > 1:
+            fallbacks.update({name: str(weights.type_of(name)) for name in names
+                              if weights.type_of(name) not in FLOAT_TYPES})
+            continue
+        reference = constant(program, node.args[1]).detach()
+        parts, row = [], 0
+        for name in names:
+            rows = int(weights.tensors[weights.gguf_name(name)].shape[1])
+            parts.append(weights.blocks(name, reference[row:row + rows], spec.num_heads, kv_heads))
+            row += rows
+        offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts], 1)
+        result = QuantizedLinear(node, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts], 1),
+                                 offsets, parts[0].fmt, note=f"gguf {parts[0].type_name} kept", half_scales=True)
+        result.weight_error = relative_error(reference, torch.cat([p.dequantize() for p in parts]))
+        layers.append(_layer_report(result))
+        buffers = _rewrite(program, result, index)
+        if len(names) == 1:
+            kept[weights.gguf_name(names[0])] = buffers
+    for node in [n for n in program.graph.nodes if n.target is aten.embedding.default]:
+        name = weights.gguf_name(str(node.args[0].target))
+        if name in kept and weights.tensors[name].tensor_type.name == "Q8_0":  # tied: the lm_head's own blocks
+            codes, scales = kept[name]
+            with program.graph.inserting_before(node):
+                replacement = program.graph.call_function(torch.ops.fxllm.dequant_embedding.default, (
+                    program.graph.get_attr(codes), program.graph.get_attr(scales), node.args[1], 32, True))
+            node.replace_all_uses_with(replacement)
+            program.graph.erase_node(node)
+        elif weights.type_of(str(node.args[0].target)) not in FLOAT_TYPES:
+            fallbacks[str(node.args[0].target)] = str(weights.type_of(str(node.args[0].target)))
+    drop_unused_attributes(program)
+    note = f"quantize: gguf, {len(layers)} layers keep {weights.path.name}'s blocks"
+    if fallbacks:
+        types = sorted(set(fallbacks.values()))
+        warning = (f"{len(fallbacks)} GGUF tensors of type {', '.join(types)} have no exact form here and were "
+                   f"dequantized to float by transformers instead (e.g. {next(iter(fallbacks))})")
+        print(f"fxllm: warning: {warning}", file=sys.stderr)
+        note += f"; {warning}"
+    program.spec.notes.append(note)
+    program.diagnostics = {"layers": layers, "fallbacks": fallbacks, "seconds": round(time.perf_counter() - start, 2)}
+    return program

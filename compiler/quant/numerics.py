@@ -20,6 +20,7 @@ import torch
 from fxllm.compiler.ops import dequantize
 
 Tensor = torch.Tensor
+HALF_SUFFIX = "_f16"  # buffers named so hold float16 values in float32; lowering stores them as float16
 
 
 @dataclass(frozen=True)

@@ -67,16 +67,20 @@ def block_sums(x, block_size: int, in_features: int):
     return op.ReduceSum(op.Reshape(x, shape), op.Constant(value_ints=[-1]), keepdims=0)
 
 
-def dequant_embedding(codes, scales, ids, block_size: int):
+def dequant_embedding(codes, scales, ids, block_size: int, transposed: bool = False):
     """fxllm::dequant_embedding → Gather the rows' codes and scales, then a DequantizeLinear blocked along the hidden
     axis: only the looked-up rows are dequantized. Done on 2D [ids, hidden] (TensorRT's dequantize takes rank <= 2
-    scales), then reshaped to [..., hidden]."""
+    scales), then reshaped to [..., hidden]. transposed: the tied lm_head's [hidden, vocab] weight, gathered by
+    column, dequantized along axis 0 and transposed."""
     flat_ids = op.Reshape(ids, op.Constant(value_ints=[-1]))
-    rows = op.Gather(codes, flat_ids, axis=0)
-    row_scales = op.Gather(scales, flat_ids, axis=0)
-    values = op.DequantizeLinear(rows, row_scales, axis=1, block_size=block_size)
-    shape = op.Concat(op.Shape(ids), op.Shape(codes, start=1, end=2), axis=0)
-    return op.Reshape(values, shape)
+    axis = 1 if transposed else 0
+    rows = op.Gather(codes, flat_ids, axis=axis)
+    row_scales = op.Gather(scales, flat_ids, axis=axis)
+    values = op.DequantizeLinear(rows, row_scales, axis=1 - axis, block_size=block_size)
+    if transposed:
+        values = op.Transpose(values, perm=[1, 0])
+    hidden = op.Shape(codes, start=1 - axis, end=2 - axis)
+    return op.Reshape(values, op.Concat(op.Shape(ids), hidden, axis=0))
 
 
 def gather_blocks(pool, block_tables):
