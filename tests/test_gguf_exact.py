@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fxllm
+from fxllm.compiler.pipeline import place_quantization
 from fxllm.compiler.sources import default_model_path, load_model, resolve_source
 from fxllm.errors import PipelineError
 
@@ -142,7 +143,8 @@ def test_unmapped_gguf_types_fall_back_to_float_with_a_warning(tmp_path, capfd):
     report = fxllm.compile(str(path), tmp_path / "artifact")
     assert "1 GGUF tensors of type Q5_0 have no exact form" in capfd.readouterr().err
     record = next(r for r in report.records if r.name == "quantize")
-    assert record.diagnostics["fallbacks"] == {"model.layers.1.mlp.down_proj.weight": "Q5_0"}
+    (name, kind), = record.diagnostics["fallbacks"].items()
+    assert name.endswith("model.layers.1.mlp.down_proj.weight") and kind == "Q5_0"
     engine = fxllm.load(tmp_path / "artifact", int8_activations=False)
     model = load_model(resolve_source(str(path)))
     assert greedy(engine, PROMPTS[:1]) == transformers_greedy(model, engine.tokenizer, PROMPTS[:1])
@@ -164,5 +166,13 @@ def test_requantize_and_quant_flags_on_gguf(q4_1_file, make_tiny_model, tmp_path
     with pytest.raises(PipelineError, match="kept exactly; add --requantize"):
         fxllm.compile(str(q4_1_file), tmp_path / "b", quant="int4-rtn")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-    report = fxllm.compile(str(q4_1_file), tmp_path / "float", requantize=True)
-    assert "quantize" not in [r.name for r in report.records]
+    # what the library places (the same function the CLI's --quant / --requantize go through)
+    assert place_quantization(None, None, gguf=True) == (
+        "cleanup,gqa,fuse-projections,select-logits,quantize,kv-cache", {"quantize": {"method": "gguf"}})
+    assert place_quantization(None, None, gguf=True, requantize=True) == (None, {})
+    passes, options = place_quantization(None, None, "int4-gptq", {"group_size": 64, "zero_point": True}, gguf=True,
+                                         requantize=True)
+    assert "quantize,kv-cache" in passes and options["quantize"] == {"group_size": 64, "zero_point": True,
+                                                                      "method": "int4-gptq"}
+    with pytest.raises(PipelineError, match="needs a method"):
+        place_quantization(None, None, None, {"group_size": 64})
