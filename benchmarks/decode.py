@@ -1,9 +1,9 @@
 """Decode-speed benchmark: fxllm's compiled ONNX Runtime engines against transformers eager, in one run.
 
 Measures milliseconds per decoded token at batch 1, greedy, a fixed number of new tokens (default 64) and a fixed
-number of intra-op threads (default 2), on the same prompt token ids for every system. Each system runs once to warm
-up and then --repeats times; per context length, a table shows medians, tokens/s, each row's ms/token relative to
-the default fxllm row ("vs default": >1 is slower), each system's speedup over transformers measured in this same
+number of intra-op threads (default 2), on the same prompt token ids for every system. The systems run in
+interleaved rounds (A B C, A B C, ...; each call warms up once before its timed run), --repeats rounds; per
+context length, a table shows medians, tokens/s, each row's ms/token relative to the default fxllm row ("vs default": >1 is slower), each system's speedup over transformers measured in this same
 run, and the KV-cache bytes per token of each fxllm artifact. It also says whether every fxllm row's greedy tokens
 are identical to the default row's and to transformers' (they should be, unless a pass changes the model).
 
@@ -458,11 +458,26 @@ def context_results(context: int | None, work: Workload, measurements: list[Meas
 
 # --- the run -----------------------------------------------------------------------------------------------------
 
+def interleaved(work: Workload, runners: list[Runner]) -> list[Measurement]:
+    """Every system once per round (A B C, A B C, ...: a busy machine's slow spells hit all of them alike), for
+    work.repeats rounds; each system's medians over its rounds."""
+    rounds = [[runner(Workload(work.prompt_ids, work.new_tokens, 1)) for runner in runners]
+              for _ in range(work.repeats)]
+    merged = []
+    for per_system in zip(*rounds):
+        last = per_system[-1]
+        runs = [m.ms_per_token for m in per_system]
+        merged.append(Measurement(last.system, statistics.median(runs),
+                                  statistics.median(m.prefill_ms for m in per_system), [round(r, 3) for r in runs],
+                                  last.token_ids, last.kv_bytes_per_token, last.model_bytes))
+    return merged
+
+
 def measure_context(context: int | None, work: Workload, runners: list[Runner]) -> dict[str, Any]:
     """Measure every system on one context's workload; print its table and greedy verdicts."""
     label = f"context ~{context} tokens" if context else "context: the prompt alone"
     print(f"\n{label} (prompt {len(work.prompt_ids)} tokens, {work.new_tokens} new tokens)", flush=True)
-    measurements = [runner(work) for runner in runners]
+    measurements = interleaved(work, runners)
     print(format_table(measurements))
     for system, references in greedy_verdicts(measurements).items():
         for reference, verdict in references.items():
