@@ -16,6 +16,7 @@ import fxllm
 from fxllm.compiler.pipeline import place_quantization
 from fxllm.compiler.sources import default_model_path, load_model, resolve_source
 from fxllm.errors import PipelineError
+from tests.gguf_files import copy_metadata
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 PROMPTS = ["The quick brown fox", "Paris is", "def fibonacci(n):"]
@@ -29,26 +30,11 @@ def write_tiny_gguf(path: Path, body: str, embedding: str = "Q8_0", exceptions: 
     """A 2-layer Llama GGUF with SmolLM2's tokenizer: projections stored as `body`, token_embd (tied lm_head) as
     `embedding`, norms float32; `exceptions` maps tensor names to other types."""
     from gguf import GGMLQuantizationType as Q
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFReader, GGUFWriter
     from gguf.quants import quantize
 
-    reader = GGUFReader(default_model_path())
     writer = GGUFWriter(path, "llama")
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        kind = field.types[0]
-        if name in OVERRIDES:
-            writer.add_key_value(name, OVERRIDES[name], kind)
-        elif kind == GGUFValueType.ARRAY:
-            item = field.types[1]
-            values = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") if item == GGUFValueType.STRING
-                      else field.parts[i].tolist()[0] for i in field.data]
-            writer.add_key_value(name, values, kind, sub_type=item)
-        elif kind == GGUFValueType.STRING:
-            writer.add_key_value(name, bytes(field.parts[-1]).decode("utf-8", "surrogateescape"), kind)
-        else:
-            writer.add_key_value(name, field.parts[-1].tolist()[0], kind)
+    copy_metadata(GGUFReader(default_model_path()), writer, OVERRIDES)
     generator = np.random.default_rng(seed)
     head_dim = HIDDEN // HEADS
     shapes = {"token_embd.weight": (49152, HIDDEN), "output_norm.weight": (HIDDEN,)}
@@ -176,3 +162,17 @@ def test_requantize_and_quant_flags_on_gguf(q4_1_file, make_tiny_model, tmp_path
                                                                       "method": "int4-gptq"}
     with pytest.raises(PipelineError, match="needs a method"):
         place_quantization(None, None, None, {"group_size": 64})
+
+
+def test_cli_flags_are_one_line_errors(q4_1_file, make_tiny_model, tmp_path, capsys):
+    from fxllm.cli import main
+
+    tiny = str(make_tiny_model("llama"))
+    capsys.readouterr()  # the fixtures' progress bars
+    for argv, message in [([tiny, "--requantize"], "--requantize applies to GGUF sources only"),
+                          ([str(q4_1_file), "--quant", "int4-rtn"], "kept exactly; add --requantize"),
+                          ([str(q4_1_file), "--group-size", "64"], "needs a method")]:
+        assert main(["compile", *argv, "-o", str(tmp_path / "out")]) == 1
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1
+        assert not (tmp_path / "out").exists()
