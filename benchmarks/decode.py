@@ -234,7 +234,7 @@ def prepare_variants(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         variants.append(Variant(f"fxllm {name}", directory,
                                 ensure_artifact(args.model, directory, passes, args.recompile)))
     for name, path in args.row:
-        variants.append(Variant(f"fxllm {name}", Path(path), read_manifest(Path(path), verify=False)))
+        variants.append(Variant(f"fxllm {name}", Path(path), load_manifest(Path(path), verify=False).data))
     for variant in variants:
         if variant.manifest["source"]["name"] != source.name:
             print(f"warning: {variant.artifact} was compiled from '{variant.manifest['source']['name']}', "

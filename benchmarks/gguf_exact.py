@@ -26,7 +26,7 @@ import torch
 import fxllm
 from fxllm.compiler.sources import default_model_path, load_model, resolve_source
 from fxllm.evaluation import evaluate
-from fxllm.runtime.artifact import read_manifest
+from fxllm.runtime.manifest import load_manifest
 
 ROOT = Path.home() / ".cache" / "fxllm" / "bench" / "gguf-exact"
 PROMPTS = ["The capital of France is", "The history of the printing press begins", "def fibonacci(n):",
@@ -61,7 +61,7 @@ def check(kind: str, new_tokens: int) -> dict:
     artifact = ROOT / kind
     start = time.perf_counter()
     try:
-        read_manifest(artifact, verify=False)
+        load_manifest(artifact, verify=False).data
         compile_s = None
     except fxllm.FxllmError:
         fxllm.compile(str(path), artifact)
@@ -85,7 +85,7 @@ def check(kind: str, new_tokens: int) -> dict:
                           int8_activations=False if int8 is False else None)
         evals[label] = {"perplexity": report.perplexity, "reference_perplexity": report.reference_perplexity,
                         "mean_kl": report.mean_kl, "top1": report.top1_agreement}
-    manifest = read_manifest(artifact, verify=False)
+    manifest = load_manifest(artifact, verify=False).data
     size = sum(f["bytes"] for name, f in manifest["files"].items() if not name.startswith("tokenizer"))
     return {"kind": kind, "gguf": str(path.name), "compile_s": compile_s, "prompts": len(PROMPTS),
             "new_tokens": new_tokens, "identical_prompts": identical, "eval": evals, "model_bytes": size,

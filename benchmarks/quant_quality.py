@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import fxllm
-from fxllm.runtime.artifact import read_manifest
+from fxllm.runtime.manifest import load_manifest
 
 ROOT = Path.home() / ".cache" / "fxllm" / "bench" / "quality"
 RESULTS = ROOT / "results.jsonl"
@@ -48,7 +48,7 @@ def compile_config(name: str, recompile: bool) -> tuple[Path, float | None]:
     directory = ROOT / name
     if not recompile:
         try:
-            read_manifest(directory, verify=False)
+            load_manifest(directory, verify=False).data
             return directory, None
         except fxllm.FxllmError:
             pass
@@ -86,7 +86,7 @@ def measure(name: str, recompile: bool, float_activations: bool) -> dict[str, An
     start = time.perf_counter()
     report = evaluate(str(directory), "britannica", ctx=512, max_tokens=8192, reference=str(reference),
                       int8_activations=False if float_activations else None)
-    manifest = read_manifest(directory, verify=False)
+    manifest = load_manifest(directory, verify=False).data
     size = sum(f["bytes"] for file, f in manifest["files"].items() if not file.startswith("tokenizer"))
     return {"name": name, "options": {k: v for k, v in CONFIGS[name].items()}, "float_activations": float_activations,
             "perplexity": report.perplexity, "reference_perplexity": report.reference_perplexity,

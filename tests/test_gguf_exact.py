@@ -110,7 +110,7 @@ def test_gguf_blocks_are_kept_exactly(body, q4_1_file, q4_1_artifact, tmp_path):
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].numpy()
     assert abs(engine.score(ids) - expected).max() < 1e-3
-    manifest = engine.manifest
+    manifest = engine.manifest.data
     assert "quantized" in manifest["facts"] and any("keep" in note for note in manifest["spec"]["notes"])
     model_bytes = sum(f["bytes"] for name, f in manifest["files"].items() if not name.startswith("tokenizer"))
     assert model_bytes <= 1.1 * gguf_tensor_bytes(path)
