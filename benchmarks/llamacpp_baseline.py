@@ -5,6 +5,10 @@ never the project's .venv::
 
     python3 benchmarks/llamacpp_baseline.py setup                 # ~/.cache/fxllm/llamacpp-venv (idempotent)
 
+On the development machine that build (llama-cpp-python 0.3.36, llama.cpp's default native CPU build) imports,
+but the process dies with SIGILL at the first evaluation: the CPU reports AMX and AVX-512 features, presumably not
+all usable inside its VM. Not yet tried: rebuilding with CMAKE_ARGS="-DGGML_NATIVE=OFF" (another ~25 minutes).
+
 Measuring (the same prompt ids as the other systems; prints one JSON object)::
 
     ~/.cache/fxllm/llamacpp-venv/bin/python benchmarks/llamacpp_baseline.py bench --model FILE.gguf \\
