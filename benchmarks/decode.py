@@ -1,9 +1,9 @@
 """Decode-speed benchmark: fxllm's compiled ONNX Runtime engines against transformers eager, in one run.
 
 Measures milliseconds per decoded token at batch 1, greedy, a fixed number of new tokens (default 64) and a fixed
-number of intra-op threads (default 2), on the same prompt token ids for every system. Each system runs once to warm
-up and then --repeats times; per context length, a table shows medians, tokens/s, each row's ms/token relative to
-the default fxllm row ("vs default": >1 is slower), each system's speedup over transformers measured in this same
+number of intra-op threads (default 2), on the same prompt token ids for every system. The systems run in
+interleaved rounds (A B C, A B C, ...; each call warms up once before its timed run), --repeats rounds; per
+context length, a table shows medians, tokens/s, each row's ms/token relative to the default fxllm row ("vs default": >1 is slower), each system's speedup over transformers measured in this same
 run, and the KV-cache bytes per token of each fxllm artifact. It also says whether every fxllm row's greedy tokens
 are identical to the default row's and to transformers' (they should be, unless a pass changes the model).
 
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import fxllm
-from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
+from fxllm.compiler.pipeline import build_pipeline, parse_pipeline, place_quantization
 from fxllm.compiler.sources import ModelSource, load_model, resolve_source
 from fxllm.runtime.contract import ModelSpec
 from fxllm.errors import ArtifactError, FxllmError
@@ -155,7 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also measure onnxruntime-genai's model builder output VARIANT (int4, int4-float-head, "
                              "int4-int8-head, fp32; repeatable), built once with benchmarks/ortgenai_baseline.py in a "
                              "venv of its own (see that file); the first one is the 'vs ortgenai' reference")
-    parser.add_argument("--ortgenai-python", help="python of the onnxruntime-genai venv (default /work/ortgenai-venv)")
+    parser.add_argument("--ortgenai-python", help="python of the onnxruntime-genai venv (default ~/.cache/fxllm/ortgenai-venv)")
+    parser.add_argument("--row", action="append", default=[], type=parse_variant, metavar="NAME=ARTIFACT",
+                        help="also measure an already compiled artifact directory, as row 'fxllm NAME' (repeatable)")
+    parser.add_argument("--llamacpp", action="append", default=[], metavar="GGUF",
+                        help="also measure this GGUF file with llama.cpp (llama-cpp-python, in the venv that "
+                             "benchmarks/llamacpp_baseline.py setup builds; repeatable)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     return parser
 
@@ -171,9 +176,11 @@ def quiet_libraries() -> None:
 
 # --- artifacts ---------------------------------------------------------------------------------------------------
 
-def pipeline_record(passes: str | None) -> list[dict[str, Any]]:
-    """The passes and typed options a compile with `passes` records in its manifest; checks the pass list."""
-    return [{"name": step.name, "options": step.options} for step in build_pipeline(parse_pipeline(passes))]
+def pipeline_record(passes: str | None, gguf: bool = False) -> list[dict[str, Any]]:
+    """The passes and typed options a compile with `passes` records in its manifest; checks the pass list. A GGUF
+    source's default pipeline keeps its quantized blocks (pipeline.place_quantization)."""
+    passes, options = place_quantization(passes, None, gguf=gguf)
+    return [{"name": step.name, "options": step.options} for step in build_pipeline(parse_pipeline(passes), options)]
 
 
 def variant_directory(source: ModelSource, name: str, passes: str) -> Path:
@@ -182,14 +189,14 @@ def variant_directory(source: ModelSource, name: str, passes: str) -> Path:
     return CACHE_DIR / f"{source.name}--{name}--{digest}"
 
 
-def cached_manifest(directory: Path, passes: str | None) -> dict[str, Any] | None:
+def cached_manifest(directory: Path, passes: str | None, gguf: bool = False) -> dict[str, Any] | None:
     """The manifest of the artifact in `directory` when it was compiled with `passes`, else None."""
     try:
         manifest = load_manifest(directory, verify=False).data  # fxllm.load checksums the files
     except ArtifactError:
         return None
     recorded = [{"name": p["name"], "options": p["options"]} for p in manifest["passes"]]
-    if recorded != pipeline_record(passes):
+    if recorded != pipeline_record(passes, gguf):
         print(f"cached artifact {directory} was compiled with passes "
               f"{','.join(p['name'] for p in recorded)}; recompiling")
         return None
@@ -199,7 +206,7 @@ def cached_manifest(directory: Path, passes: str | None) -> dict[str, Any] | Non
 
 def ensure_artifact(model: str, directory: Path, passes: str | None, recompile: bool) -> dict[str, Any]:
     """The manifest of the artifact in `directory`, compiled with `passes` (None: the default pipeline) if needed."""
-    manifest = None if recompile else cached_manifest(directory, passes)
+    manifest = None if recompile else cached_manifest(directory, passes, bool(resolve_source(model).gguf_file))
     if manifest is None:
         start = time.perf_counter()
         fxllm.compile(model, directory, passes=passes)
@@ -226,6 +233,8 @@ def prepare_variants(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         directory = variant_directory(source, name, passes)
         variants.append(Variant(f"fxllm {name}", directory,
                                 ensure_artifact(args.model, directory, passes, args.recompile)))
+    for name, path in args.row:
+        variants.append(Variant(f"fxllm {name}", Path(path), load_manifest(Path(path), verify=False).data))
     for variant in variants:
         if variant.manifest["source"]["name"] != source.name:
             print(f"warning: {variant.artifact} was compiled from '{variant.manifest['source']['name']}', "
@@ -336,6 +345,18 @@ def ortgenai_runner(variant: str, python: str | None, threads: int) -> Runner:
     return measure
 
 
+def llamacpp_runner(gguf: Path, threads: int) -> Runner:
+    """llama.cpp through llama-cpp-python (its own venv, through subprocess): the same prompt ids, greedy."""
+    import llamacpp_baseline
+
+    def measure(work: Workload) -> Measurement:
+        result = llamacpp_baseline.measure(gguf, work.prompt_ids, work.new_tokens, work.repeats, threads)
+        return Measurement(f"llama.cpp {gguf.name}", result["ms_per_token"], result["prefill_ms"],
+                           result["runs_ms_per_token"], result["tokens"], model_bytes=result["model_bytes"])
+
+    return measure
+
+
 def environment() -> dict[str, Any]:
     import onnxruntime
     import torch
@@ -437,11 +458,26 @@ def context_results(context: int | None, work: Workload, measurements: list[Meas
 
 # --- the run -----------------------------------------------------------------------------------------------------
 
+def interleaved(work: Workload, runners: list[Runner]) -> list[Measurement]:
+    """Every system once per round (A B C, A B C, ...: a busy machine's slow spells hit all of them alike), for
+    work.repeats rounds; each system's medians over its rounds."""
+    rounds = [[runner(Workload(work.prompt_ids, work.new_tokens, 1)) for runner in runners]
+              for _ in range(work.repeats)]
+    merged = []
+    for per_system in zip(*rounds):
+        last = per_system[-1]
+        runs = [m.ms_per_token for m in per_system]
+        merged.append(Measurement(last.system, statistics.median(runs),
+                                  statistics.median(m.prefill_ms for m in per_system), [round(r, 3) for r in runs],
+                                  last.token_ids, last.kv_bytes_per_token, last.model_bytes))
+    return merged
+
+
 def measure_context(context: int | None, work: Workload, runners: list[Runner]) -> dict[str, Any]:
     """Measure every system on one context's workload; print its table and greedy verdicts."""
     label = f"context ~{context} tokens" if context else "context: the prompt alone"
     print(f"\n{label} (prompt {len(work.prompt_ids)} tokens, {work.new_tokens} new tokens)", flush=True)
-    measurements = [runner(work) for runner in runners]
+    measurements = interleaved(work, runners)
     print(format_table(measurements))
     for system, references in greedy_verdicts(measurements).items():
         for reference, verdict in references.items():
@@ -463,6 +499,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         check_fits(work, variants, parser)
     runners = [fxllm_runner(variant, args.threads) for variant in variants]
     runners += [ortgenai_runner(variant, args.ortgenai_python, args.threads) for variant in args.ortgenai]
+    runners += [llamacpp_runner(Path(path), args.threads) for path in args.llamacpp]
     if not args.skip_transformers:
         runners.append(transformers_runner(source, args.threads))
     env = environment()

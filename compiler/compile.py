@@ -12,7 +12,7 @@ from fxllm.runtime.artifact import check_output, staging_directory, write_manife
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
 from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tokenizer, check_same_vocab,
                                   parse_draft, truncate_layers)
-from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
+from fxllm.compiler.pipeline import build_pipeline, parse_pipeline, place_quantization
 from fxllm.progress import status
 from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source, source_architecture
 from fxllm.errors import PipelineError, UnsupportedModelError
@@ -28,6 +28,7 @@ class CompileReport:
     seconds: dict[str, float] = field(default_factory=dict)
     records: list[PassRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # e.g. why no TensorRT engine was built
+    lowering_steps: dict[str, float] = field(default_factory=dict)  # the "lower" phase, step by step
 
     @property
     def total_seconds(self) -> float:
@@ -44,14 +45,23 @@ def compile_model(
     draft: str | None = None,
     spec_k: int = 4,
     keep_layers: int | None = None,
+    quant: str | None = None,
+    quant_options: dict[str, Any] | None = None,
+    requantize: bool = False,
 ) -> CompileReport:
     """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work.
     With `draft` (see compiler/draft.py) the artifact also holds a draft model for speculative decoding with
-    `spec_k` proposed tokens per step. `keep_layers` keeps only the first N decoder layers (self-layers drafts)."""
+    `spec_k` proposed tokens per step. `keep_layers` keeps only the first N decoder layers (self-layers drafts).
+    `quant` (int8, int4-rtn, int4-gptq, int4-awq) with `quant_options` (group_size, calib, lm_head, embedding,
+    zero_point) adds the quantize pass (see pipeline.place_quantization). A GGUF source keeps its own quantized
+    blocks exactly under the default pipeline unless `requantize`."""
     from fxllm import __version__
     from fxllm.compiler.capture import capture
     from fxllm.compiler.targets.onnx_export import TARGETS, lower_to_onnx
 
+    source = resolve_source(model)
+    passes, pass_options = place_quantization(passes, pass_options, quant, quant_options,
+                                              gguf=bool(source.gguf_file), requantize=requantize)
     steps = build_pipeline(parse_pipeline(passes), pass_options)
     provided = {fact for step in steps for fact in step.info.provides}
     if "kv-cache" not in provided:
@@ -64,7 +74,6 @@ def compile_model(
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
     if draft_source is not None:
         check_supported(source_architecture(draft_source))
-    source = resolve_source(model)
     check_supported(source_architecture(source))
     check_output(output)
     report = CompileReport(Path(output))
@@ -86,12 +95,15 @@ def compile_model(
         truncate_layers(torch_model, keep_layers)
     captured = timed("capture", "capturing with torch.export", capture, torch_model)
     captured.program.tokenizer = tokenizer
+    if source.gguf_file:
+        captured.program.source_file = source.directory / source.gguf_file
     program, report.records = timed(
         "passes", f"running passes: {', '.join(s.name for s in steps)}", run_pipeline, captured.program, steps,
         str(dump_dir) if dump_dir else None,
     )
     with staging_directory(output) as stage:
-        timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program, stage / MODEL_FILE, target)
+        timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program, stage / MODEL_FILE, target,
+              report.lowering_steps)
         if target == "tensorrt":
             _audit_for_tensorrt(stage / MODEL_FILE)
         tokenizer.save_pretrained(stage / TOKENIZER_DIR)
@@ -115,7 +127,8 @@ def compile_model(
                 "inputs": [sig.to_dict() for sig in program.inputs],
                 "outputs": [sig.to_dict() for sig in program.outputs],
             },
-            "compile_seconds": {k: round(v, 2) for k, v in report.seconds.items()},
+            "compile_seconds": {k: round(v, 2) for k, v in report.seconds.items()}
+            | {f"lower/{k}": round(v, 2) for k, v in report.lowering_steps.items()},
             # quantized matmuls are fast on ONNX Runtime CPU only with int8 activations (Engine.load can override)
             "runtime": {"int8_activations": "quantized" in program.facts},
             "speculative": speculative,

@@ -53,39 +53,49 @@ def _masked_attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale:
     return torch.empty_like(q)
 
 
-def dequantize(qweight: Tensor, scales: Tensor, block_size: int) -> Tensor:
+def dequantize(qweight: Tensor, scales: Tensor, block_size: int, offsets: Tensor | None = None) -> Tensor:
     """W [in, out] from integer qweight [in, out]: per output column (block_size 0, scales [out]) or in blocks of
-    block_size rows along the input dim (scales [ceil(in / block_size), out]; the last block may be shorter)."""
+    block_size rows along the input dim (scales [ceil(in / block_size), out]; the last block may be shorter).
+    offsets (asymmetric formats; same shape as blocked scales) are added per block: w = s·q + offset."""
     if block_size == 0:
         return qweight.to(scales.dtype) * scales
     rows = qweight.shape[0]
-    return qweight.to(scales.dtype) * scales.repeat_interleave(block_size, 0)[:rows]
+    weight = qweight.to(scales.dtype) * scales.repeat_interleave(block_size, 0)[:rows]
+    if offsets is not None:
+        weight = weight + offsets.to(scales.dtype).repeat_interleave(block_size, 0)[:rows]
+    return weight
 
 
 @torch.library.custom_op("fxllm::dequant_linear", mutates_args=())
-def dequant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, block_size: int) -> Tensor:
-    """x @ dequantize(qweight, scales) (+ bias): a weight-only quantized linear layer; qweight [in, out] holds int8
-    values, or int4 values stored in int8 (the quantize pass names those buffers *_int4_codes; lowering packs them)."""
-    out = x @ dequantize(qweight, scales, block_size)
+def dequant_linear(x: Tensor, qweight: Tensor, scales: Tensor, offsets: Tensor | None, bias: Tensor | None,
+                   block_size: int) -> Tensor:
+    """x @ dequantize(qweight, scales, offsets) (+ bias): a weight-only quantized linear layer; qweight [in, out]
+    holds int8 values, or int4 values stored in int8 (the quantize pass names those buffers *_int4_codes; lowering
+    packs them); offsets [blocks, out] (asymmetric formats) or None."""
+    out = x @ dequantize(qweight, scales.to(x.dtype), block_size, offsets)
     return out + bias if bias is not None else out
 
 
 @dequant_linear.register_fake
-def _dequant_linear_fake(x, qweight, scales, bias, block_size):
+def _dequant_linear_fake(x, qweight, scales, offsets, bias, block_size):
     return x.new_empty((*x.shape[:-1], qweight.shape[1]))
 
 
 @torch.library.custom_op("fxllm::dequant_embedding", mutates_args=())
-def dequant_embedding(codes: Tensor, scales: Tensor, ids: Tensor, block_size: int) -> Tensor:
+def dequant_embedding(codes: Tensor, scales: Tensor, ids: Tensor, block_size: int, transposed: bool = False) -> Tensor:
     """Rows of a quantized embedding table: codes [vocab, hidden] (int8; int4 values in int8), scales
-    [vocab, ceil(hidden / block_size)] → float [..., hidden] for ids [...]."""
+    [vocab, ceil(hidden / block_size)] → float [..., hidden] for ids [...]. transposed: codes [hidden, vocab] and
+    scales [blocks, vocab], i.e. a tied lm_head's own dequant_linear weight, read column-wise (one stored copy)."""
+    if transposed:
+        return dequantize(codes[:, ids.reshape(-1)], scales[:, ids.reshape(-1)].to(torch.float32), block_size
+                          ).t().reshape(*ids.shape, codes.shape[0])
     rows = codes[ids].to(scales.dtype)
     return rows * scales[ids].repeat_interleave(block_size, -1)[..., : codes.shape[1]]
 
 
 @dequant_embedding.register_fake
-def _dequant_embedding_fake(codes, scales, ids, block_size):
-    return scales.new_empty((*ids.shape, codes.shape[1]))
+def _dequant_embedding_fake(codes, scales, ids, block_size, transposed=False):
+    return scales.new_empty((*ids.shape, codes.shape[0] if transposed else codes.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("fxllm::gather_blocks", mutates_args=())

@@ -44,6 +44,40 @@ def parse_pipeline(text: str | list[str] | tuple[str, ...] | None) -> list[tuple
     return steps
 
 
+QUANT_OPTIONS = ("group_size", "calib", "lm_head", "embedding", "zero_point")  # quantize options a caller may set
+
+
+def place_quantization(passes: str | list[str] | None, pass_options: dict[str, dict[str, Any]] | None,
+                       quant: str | None = None, quant_options: dict[str, Any] | None = None, gguf: bool = False,
+                       requantize: bool = False) -> tuple[str | list[str] | None, dict[str, dict[str, Any]]]:
+    """Where quantization goes in a pipeline (fxllm.compile(quant=...) and `fxllm compile --quant` alike): the
+    `quantize` pass with method `quant` and `quant_options`, placed before kv-cache when the default pipeline is
+    used. A GGUF source keeps its own quantized blocks (method `gguf`, no re-rounding) unless `requantize`, which
+    loads it as float like any other model (then `quant` re-quantizes it). → (passes, pass options)."""
+    options = {name: dict(values) for name, values in (pass_options or {}).items()}
+    quant_options = {key: value for key, value in (quant_options or {}).items() if value is not None}
+    unknown = set(quant_options) - set(QUANT_OPTIONS)
+    if unknown:
+        raise PipelineError(f"unknown quantization option(s) {', '.join(sorted(unknown))} "
+                            f"(available: {', '.join(QUANT_OPTIONS)})")
+    if quant_options and not quant:
+        raise PipelineError(f"quantization option '{next(iter(quant_options))}' needs a method (--quant METHOD)")
+    if quant_options.get("calib") and quant not in ("int4-gptq", "int4-awq"):
+        raise PipelineError("--calib applies to the calibrated methods int4-gptq and int4-awq")
+    if requantize and not gguf:
+        raise PipelineError("--requantize applies to GGUF sources only (their quantized blocks are kept otherwise)")
+    if quant and gguf and not requantize:
+        raise PipelineError(f"this GGUF's own quantized blocks are kept exactly; add --requantize to load it as float "
+                            f"and quantize it again with {quant}")
+    if gguf and not requantize and passes is None:
+        quant = "gguf"
+    if quant:
+        options.setdefault("quantize", {}).update({**quant_options, "method": quant})
+        if passes is None:
+            passes = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + ",quantize,kv-cache"
+    return passes, options
+
+
 def build_pipeline(
     requested: list[tuple[str, dict[str, Any]]], extra_options: dict[str, dict[str, Any]] | None = None
 ) -> list[PipelineStep]:

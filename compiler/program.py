@@ -28,6 +28,7 @@ class Program:
     facts: set[str] = field(default_factory=set)
     applied: list[AppliedPass] = field(default_factory=list)
     tokenizer: Any = None  # the source's tokenizer, for passes that need text (quantize's calibration)
+    source_file: Any = None  # the source's GGUF file (a Path), for passes that keep its quantized blocks
     diagnostics: dict[str, Any] = field(default_factory=dict)  # what the last pass wants in its dump (per-layer...)
 
     @property

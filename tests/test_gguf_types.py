@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fxllm.compiler.sources import load_model, resolve_source, source_architecture
+from tests.gguf_files import copy_metadata
 
 pytestmark = pytest.mark.slow
 
@@ -18,25 +19,12 @@ pytestmark = pytest.mark.slow
 def requantize_gguf(source: Path, target: Path, kind) -> None:
     """Copy a GGUF's metadata and tensors, storing every 2D weight as `kind` (1D norms stay float32)."""
     from gguf import GGMLQuantizationType as Q
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFReader, GGUFWriter
     from gguf.quants import dequantize, quantize
 
     reader = GGUFReader(source)
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    writer = GGUFWriter(target, architecture)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        kind_of_value = field.types[0]
-        if kind_of_value == GGUFValueType.ARRAY:
-            item = field.types[1]
-            values = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") if item == GGUFValueType.STRING
-                      else field.parts[i].tolist()[0] for i in field.data]
-            writer.add_key_value(name, values, kind_of_value, sub_type=item)
-        elif kind_of_value == GGUFValueType.STRING:
-            writer.add_key_value(name, bytes(field.parts[-1]).decode("utf-8", "surrogateescape"), kind_of_value)
-        else:
-            writer.add_key_value(name, field.parts[-1].tolist()[0], kind_of_value)
+    writer = GGUFWriter(target, bytes(reader.fields["general.architecture"].parts[-1]).decode())
+    copy_metadata(reader, writer)
     for tensor in reader.tensors:
         floats = tensor.data if tensor.tensor_type in (Q.F32, Q.F16) else dequantize(tensor.data, tensor.tensor_type)
         floats = np.asarray(floats, np.float32).reshape(tuple(reversed(tensor.shape.tolist())))

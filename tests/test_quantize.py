@@ -39,7 +39,7 @@ def calibration_file(tmp_path_factory):
 
 def test_int8_per_channel_round_trip():
     weight = torch.randn(48, 64, generator=_generator(0))
-    codes, scales = round_to_nearest(weight, QuantFormat(8, 0))
+    codes, scales, _ = round_to_nearest(weight, QuantFormat(8, 0))
     assert codes.dtype == torch.int8 and scales.shape == (48,)
     assert (codes.abs().amax(1) == 127).all()  # every output channel uses the full range
     error = (dequantize_codes(codes, scales, QuantFormat(8, 0)) - weight).abs()
@@ -49,11 +49,35 @@ def test_int8_per_channel_round_trip():
 def test_int4_blockwise_round_trip_with_a_ragged_last_block():
     weight = torch.randn(8, 80, generator=_generator(1))  # 80 = 2 blocks of 32 + one of 16
     weight[3, 5] = 40.0  # an outlier only widens its own block's step
-    codes, scales = round_to_nearest(weight, INT4_G32)
+    codes, scales, _ = round_to_nearest(weight, INT4_G32)
     assert scales.shape == (3, 8) and codes.min() >= -8 and codes.max() <= 7
     steps = scales.repeat_interleave(32, 0)[:80].t()
     assert ((dequantize_codes(codes, scales, INT4_G32) - weight).abs() <= steps / 2 + 1e-6).all()
     assert scales[0, 3] == pytest.approx(40.0 / 7) and scales[1, 3] < 1.0
+
+
+@pytest.mark.parametrize("in_features", [64, 80])
+def test_asymmetric_int4_is_exact_as_signed_codes_plus_block_offsets(in_features):
+    """A zero point per block, stored as signed codes c = u − 8 and offsets s·(8 − z): s·c + offset equals the
+    asymmetric grid's value s·(u − z) for every weight, and the grid spans each block's own [min, max]."""
+    weight = torch.rand(8, in_features, generator=_generator(20)) * 3 - 0.5  # lopsided: symmetric wastes most codes
+    fmt = QuantFormat(4, 32, symmetric=False)
+    codes, scales, offsets = round_to_nearest(weight, fmt)
+    assert codes.min() >= -8 and codes.max() <= 7 and offsets.shape == scales.shape
+    zeros = 8 - offsets / scales
+    torch.testing.assert_close(zeros, zeros.round(), atol=1e-4, rtol=0)  # integer zero points
+    steps = scales.repeat_interleave(32, 0)[:in_features].t()
+    asymmetric = dequantize_codes(codes, scales, fmt, offsets)
+    assert ((asymmetric - weight).abs() <= steps / 2 + 1e-5).all()
+    symmetric = dequantize_codes(*round_to_nearest(weight, INT4_G32)[:2], INT4_G32)
+    assert (asymmetric - weight).norm() < 0.6 * (symmetric - weight).norm()
+
+
+def test_bits_per_weight_count_scales_and_offsets():
+    assert QuantFormat(4, 64).bits_per_weight(576, 1536) == pytest.approx(4.5)
+    assert QuantFormat(4, 64, symmetric=False).bits_per_weight(576, 1536) == pytest.approx(5.0)
+    assert QuantFormat(4, 128, symmetric=False).bits_per_weight(1536, 576) == pytest.approx(4.5)
+    assert QuantFormat(8, 0).bits_per_weight(576, 1536) == pytest.approx(8 + 32 / 576)
 
 
 def _correlated_inputs(tokens: int, features: int, seed: int) -> torch.Tensor:
@@ -75,8 +99,8 @@ def test_gptq_with_a_diagonal_hessian_is_round_to_nearest(act_order):
     """With uncorrelated inputs there is nothing to compensate: GPTQ must reduce to plain rounding."""
     weight = torch.randn(24, 64, generator=_generator(3))
     hessian = torch.diag(torch.rand(64, generator=_generator(4)) + 0.5)
-    codes, scales = gptq_quantize(weight, hessian, INT4_G32, damp=0.0, act_order=act_order)
-    rtn_codes, rtn_scales = round_to_nearest(weight, INT4_G32)
+    codes, scales, _ = gptq_quantize(weight, hessian, INT4_G32, damp=0.0, act_order=act_order)
+    rtn_codes, rtn_scales, _ = round_to_nearest(weight, INT4_G32)
     torch.testing.assert_close(scales, rtn_scales)
     assert torch.equal(codes, rtn_codes)
 
@@ -88,22 +112,22 @@ def test_gptq_lazy_block_updates_equal_column_by_column_updates():
     hessian = HessianAccumulator(128)
     hessian.add(_correlated_inputs(512, 128, 6))
     fmt = QuantFormat(4, 64)
-    lazy, _ = gptq_quantize(weight, hessian.hessian, fmt, block_size=64)
-    eager, _ = gptq_quantize(weight, hessian.hessian, fmt, block_size=1)
+    lazy = gptq_quantize(weight, hessian.hessian, fmt, block_size=64).codes
+    eager = gptq_quantize(weight, hessian.hessian, fmt, block_size=1).codes
     assert (lazy == eager).float().mean() > 0.999
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_lowers_the_output_error_on_a_known_hessian(act_order):
+@pytest.mark.parametrize("act_order,symmetric", [(False, True), (True, True), (True, False)])
+def test_gptq_lowers_the_output_error_on_a_known_hessian(act_order, symmetric):
     """The GPTQ objective tr((W−Ŵ) H (W−Ŵ)ᵀ) for correlated inputs: clearly below round-to-nearest."""
     weight = torch.randn(64, 128, generator=_generator(7)) * 0.02
     x = _correlated_inputs(2048, 128, 8)
     hessian = HessianAccumulator(128)
     hessian.add(x)
-    fmt = QuantFormat(4, 32)
+    fmt = QuantFormat(4, 32, symmetric)
 
-    def objective(codes, scales):
-        delta = (weight - dequantize_codes(codes, scales, fmt)).double()
+    def objective(codes, scales, offsets):
+        delta = (weight - dequantize_codes(codes, scales, fmt, offsets)).double()
         return float(torch.trace(delta @ hessian.hessian @ delta.t()))
 
     gptq = objective(*gptq_quantize(weight, hessian.hessian, fmt, act_order=act_order))
@@ -116,7 +140,7 @@ def test_gptq_act_order_keeps_contiguous_group_scales():
     weight = torch.randn(16, 96, generator=_generator(9))
     hessian = HessianAccumulator(96)
     hessian.add(_correlated_inputs(256, 96, 10))
-    _, scales = gptq_quantize(weight, hessian.hessian, INT4_G32, act_order=True)
+    scales = gptq_quantize(weight, hessian.hessian, INT4_G32, act_order=True).scales
     torch.testing.assert_close(scales, round_to_nearest(weight, INT4_G32)[1])
 
 
@@ -128,8 +152,8 @@ def test_awq_scales_protect_a_planted_outlier_channel():
     assert int(search.scales.argmax()) == 37 and search.ratio > 0
     assert search.scales[37] > 3 * search.scales.median()
     reference = x @ weight.t()
-    rtn = dequantize_codes(*round_to_nearest(weight, INT4_G32), INT4_G32)
-    awq = dequantize_codes(*round_to_nearest(weight * search.scales, INT4_G32), INT4_G32) / search.scales
+    rtn = dequantize_codes(*round_to_nearest(weight, INT4_G32)[:2], INT4_G32)
+    awq = dequantize_codes(*round_to_nearest(weight * search.scales, INT4_G32)[:2], INT4_G32) / search.scales
     rtn_error = ((x @ rtn.t() - reference) ** 2).mean()
     assert ((x @ awq.t() - reference) ** 2).mean() < 0.5 * rtn_error
     assert min(search.errors) == pytest.approx(float(((x @ awq.t() - reference) ** 2).mean()), rel=1e-4)
@@ -140,7 +164,7 @@ def test_awq_scales_protect_a_planted_outlier_channel():
 def test_awq_clipping_never_widens_and_never_hurts():
     weight = torch.randn(32, 64, generator=_generator(13))
     x = torch.randn(256, 64, generator=_generator(14))
-    absmax = search_clipping(x, weight, INT4_G32)
+    absmax = search_clipping(x, weight, INT4_G32).scales * 7
     original = round_to_nearest(weight, INT4_G32)[1] * 7
     assert (absmax <= original + 1e-6).all() and (absmax >= 0.5 * original - 1e-6).all()
     assert (absmax < original - 1e-6).any()  # some group does better clipped
@@ -216,9 +240,47 @@ def test_quantize_bad_options(make_tiny_model, tmp_path):
     short.write_text("Only a few words of calibration text.")
     for text, message in [("method=int3", "unknown quantize method 'int3'"),
                           ("method=int4-rtn;group_size=24", "power of two"),
+                          ("method=int4-rtn;group_size=24;zero_point=true", "power of two"),
                           ("method=int4-rtn;lm_head=int2", "lm_head must be one of"),
                           (f"method=int4-gptq;calib={empty}", "is empty"),
                           (f"method=int4-awq;calib={short}", "has 8 tokens; 16 samples of 512 tokens need 8192"),
                           (f"method=int4-gptq;calib={tmp_path / 'missing.txt'}", "cannot read the calibration text")]:
         with pytest.raises(PipelineError, match=message):
             run_pipeline(program, build_pipeline(parse_pipeline(f"quantize:{text},kv-cache")))
+
+
+def _onnx_logits(path, feeds: dict, optimize: bool):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")  # float activations: exact
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return session.run(["logits"], feeds)[0]
+
+
+@pytest.mark.parametrize("target,group", [("ort", 32), ("tensorrt", 128)])
+def test_asymmetric_int4_lowers_exactly(target, group, make_tiny_model, tmp_path):
+    """int4 with zero points (group 32; and 128, one ragged block on the tiny model's 64-wide inputs), lowered to
+    ONNX: the artifact's logits equal the rewritten torch program's, with ONNX Runtime's fusions off and on; the
+    DequantizeLinears carry no zero point and the TensorRT audit passes."""
+    from fxllm.compiler.interface import step_inputs
+    from fxllm.compiler.targets.onnx_export import lower_to_onnx
+
+    source = resolve_source(make_tiny_model("llama"))
+    steps = build_pipeline(parse_pipeline(
+        f"cleanup,gqa,fuse-projections,quantize:method=int4-rtn;zero_point=true;group_size={group},kv-cache"))
+    quantized, _ = run_pipeline(capture(load_model(source)).program, steps)
+    path = tmp_path / "model.onnx"
+    lower_to_onnx(quantized, path, target)
+    ids = torch.randint(0, 49152, (2, 7), generator=_generator(30))
+    inputs = step_inputs(quantized, ids, {})
+    expected = quantized.graph_module(*inputs)[0].detach().numpy()
+    feeds = {sig.name: value.numpy() for sig, value in zip(quantized.inputs, inputs)}
+    for optimize in (False, True):
+        assert abs(_onnx_logits(path, feeds, optimize) - expected).max() < 2e-4
+    model = onnx.load(str(path), load_external_data=False)
+    assert all(len(n.input) == 2 for n in model.graph.node if n.op_type == "DequantizeLinear")
+    assert sum(n.op_type == "ReduceSum" for n in model.graph.node) == 2 * 4  # one offset term per projection
+    assert audit_file(path) == []

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fxllm.compiler.quant.numerics import (QuantFormat, dequantize_codes, expand_scales, group_absmax, quantize_with_scales,
-                                       scales_from_absmax)
+from fxllm.compiler.quant.numerics import (Grid, QuantFormat, Quantized, dequantize_codes, expand_scales, group_absmax,
+                                          group_range, grid_from_range, quantize_column, quantize_to_grid,
+                                          round_to_nearest)
 
 Tensor = torch.Tensor
 
@@ -29,8 +30,8 @@ class ScaleSearch:
 
 def fake_quantize(weight: Tensor, fmt: QuantFormat) -> Tensor:
     """Round-to-nearest quantize then dequantize, W [out, in] → W [out, in]."""
-    scales = scales_from_absmax(group_absmax(weight, fmt), fmt)
-    return dequantize_codes(quantize_with_scales(weight, scales, fmt), scales, fmt)
+    codes, scales, offsets = round_to_nearest(weight, fmt)
+    return dequantize_codes(codes, scales, fmt, offsets)
 
 
 def normalized_weight_magnitude(weight: Tensor, fmt: QuantFormat) -> Tensor:
@@ -67,35 +68,39 @@ def search_scales(inputs: Tensor, weight: Tensor, fmt: QuantFormat, grid: int = 
 
 
 def search_clipping(inputs: Tensor, weight: Tensor, fmt: QuantFormat, grid: int = 20, min_clip: float = 0.5,
-                    max_tokens: int = 512) -> Tensor:
-    """Per (group, output channel) absmax after clipping, [groups, out]: the shrink ratio with least output error of
-    that group (x_g · (w_g − q(w_g))) over up to max_tokens calibration rows."""
+                    max_tokens: int = 512) -> Grid:
+    """Per (group, output channel) grid after clipping ([groups, out]): the range shrink ratio with least output
+    error of that group (x_g · (w_g − q(w_g))) over up to max_tokens calibration rows."""
     x = inputs.reshape(-1, inputs.shape[-1]).float()
     x = _spread_rows(x, max_tokens)
     size = fmt.group_size or weight.shape[1]
     w_groups = weight.split(size, 1)  # each [out, g]
     x_groups = x.split(size, 1)  # each [n, g]
-    original = group_absmax(weight, fmt).reshape(-1, weight.shape[0])  # [groups, out]
-    best_absmax = original.clone()
+    low, high = (bound.reshape(-1, weight.shape[0]) for bound in group_range(weight, fmt))  # [groups, out]
+    best = grid_from_range(low, high, fmt)
+    scales, zeros = best.scales.clone(), None if best.zeros is None else best.zeros.clone()
     for g, (w, xg) in enumerate(zip(w_groups, x_groups)):
         best_error = torch.full((weight.shape[0],), float("inf"))
         for step in range(grid):
             ratio = 1 - (1 - min_clip) * step / grid
-            absmax = original[g] * ratio
-            scale = scales_from_absmax(absmax, fmt)[:, None]
-            q = torch.round(w / scale).clamp(fmt.qmin, fmt.qmax) * scale
+            candidate = grid_from_range(low[g] * ratio, high[g] * ratio, fmt)
+            zero = None if candidate.zeros is None else candidate.zeros[:, None]
+            _, q = quantize_column(w, candidate.scales[:, None], zero, fmt)
             error = ((xg @ (w - q).t()) ** 2).mean(0)  # [out]
             better = error < best_error
             best_error = torch.where(better, error, best_error)
-            best_absmax[g] = torch.where(better, absmax, best_absmax[g])
-    return best_absmax if fmt.group_size else best_absmax[0]
+            scales[g] = torch.where(better, candidate.scales, scales[g])
+            if zeros is not None:
+                zeros[g] = torch.where(better, candidate.zeros, zeros[g])
+    if not fmt.group_size:
+        return Grid(scales[0], None if zeros is None else zeros[0])
+    return Grid(scales, zeros)
 
 
 def _spread_rows(x: Tensor, count: int) -> Tensor:
     return x if len(x) <= count else x[torch.linspace(0, len(x) - 1, count).long()]
 
 
-def clip_and_quantize(inputs: Tensor, weight: Tensor, fmt: QuantFormat, grid: int = 20) -> tuple[Tensor, Tensor]:
-    """→ (codes [out, in], scales) with each group's range clipped where that lowers its output error."""
-    scales = scales_from_absmax(search_clipping(inputs, weight, fmt, grid), fmt)
-    return quantize_with_scales(weight, scales, fmt), scales
+def clip_and_quantize(inputs: Tensor, weight: Tensor, fmt: QuantFormat, grid: int = 20) -> Quantized:
+    """→ codes [out, in], scales (and offsets) with each group's range clipped where that lowers its output error."""
+    return quantize_to_grid(weight, search_clipping(inputs, weight, fmt, grid), fmt)

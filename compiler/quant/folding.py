@@ -65,8 +65,11 @@ def _linear_slice(program, node) -> tuple[Node, int, int] | None:
 
 def _output_feature_folder(program, linear: Node, start: int, stop: int, quantized: dict) -> Folder:
     def fold(s: torch.Tensor) -> None:
-        if linear in quantized:  # scales are per output feature ([groups, out] or [out]): exact
-            quantized[linear].scales[..., start:stop] /= s.to(quantized[linear].scales.dtype)
+        if linear in quantized:  # scales (and offsets) are per output feature ([groups, out] or [out]): exact
+            done = quantized[linear]
+            done.scales[..., start:stop] /= s.to(done.scales.dtype)
+            if done.offsets is not None:
+                done.offsets[..., start:stop] /= s.to(done.offsets.dtype)
         else:
             constant(program, linear.args[1]).data[start:stop] /= s[:, None]
         bias = constant(program, linear.args[2]) if len(linear.args) > 2 else None

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from fxllm.compiler.quant.numerics import QuantFormat, group_absmax, mse_scales, scales_from_absmax
+from fxllm.compiler.quant.numerics import Grid, QuantFormat, Quantized, full_range_grid, mse_grid, offsets_of, quantize_column
 
 Tensor = torch.Tensor
 
@@ -37,20 +37,20 @@ class HessianAccumulator:
 
 
 def gptq_quantize(weight: Tensor, hessian: Tensor, fmt: QuantFormat, damp: float = 0.01, act_order: bool = True,
-                  block_size: int = 128, mse: bool = False) -> tuple[Tensor, Tensor]:
-    """W [out, in] and H [in, in] → (codes [out, in] int8, scales [groups, out] or [out]). mse: group scales by
-    the clipping search of quant_math.mse_scales instead of the plain absmax."""
+                  block_size: int = 128, mse: bool = False) -> Quantized:
+    """W [out, in] and H [in, in] → codes [out, in] int8, scales [groups, out] or [out] (and offsets for
+    asymmetric formats). mse: group grids by numerics.mse_grid's clipping search instead of the full range."""
     out_features, in_features = weight.shape
     if fmt.group_size and block_size % fmt.group_size:
-        block_size = fmt.group_size  # a group's scale is chosen at its first column: groups must not straddle blocks
+        block_size = fmt.group_size  # a group's grid is chosen at its first column: groups must not straddle blocks
     W = weight.detach().to(torch.float64).clone()
     H = hessian.detach().to(torch.float64).clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     static = act_order or fmt.group_size == 0
-    choose_scales = (lambda w: mse_scales(w, fmt)) if mse else (lambda w: scales_from_absmax(group_absmax(w, fmt), fmt))
-    scales = choose_scales(W)  # [groups, out] or [out]
+    choose_grid = (lambda w: mse_grid(w, fmt)) if mse else (lambda w: full_range_grid(w, fmt))
+    grid = choose_grid(W)  # [groups, out] or [out]
     order = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_features)
     W, H = W[:, order], H[order][:, order]
     H += damp * torch.mean(torch.diag(H)) * torch.eye(in_features, dtype=H.dtype)
@@ -58,9 +58,10 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, fmt: QuantFormat, damp: float
     group_of = order // fmt.group_size if fmt.group_size else torch.zeros(in_features, dtype=torch.long)
     codes = torch.zeros_like(W)
     with single_thread():
-        _quantize_columns(W, upper, codes, scales, group_of, fmt, block_size, static, choose_scales)
+        _quantize_columns(W, upper, codes, grid, group_of, fmt, block_size, static, choose_grid)
     codes = codes[:, torch.argsort(order)]
-    return codes.to(torch.int8), scales.to(weight.dtype)
+    grid = Grid(grid.scales.to(weight.dtype), None if grid.zeros is None else grid.zeros.to(weight.dtype))
+    return Quantized(codes.to(torch.int8), grid.scales, offsets_of(grid, fmt))
 
 
 @contextmanager
@@ -75,8 +76,8 @@ def single_thread():
         torch.set_num_threads(threads)
 
 
-def _quantize_columns(W: Tensor, upper: Tensor, codes: Tensor, scales: Tensor, group_of: Tensor, fmt: QuantFormat,
-                      block_size: int, static: bool, choose_scales) -> None:
+def _quantize_columns(W: Tensor, upper: Tensor, codes: Tensor, grid: Grid, group_of: Tensor, fmt: QuantFormat,
+                      block_size: int, static: bool, choose_grid) -> None:
     in_features = W.shape[1]
     for start in range(0, in_features, block_size):
         stop = min(start + block_size, in_features)
@@ -86,11 +87,15 @@ def _quantize_columns(W: Tensor, upper: Tensor, codes: Tensor, scales: Tensor, g
             column = start + i
             if not static and column % fmt.group_size == 0:
                 group_weight = torch.cat([block[:, i:], W[:, stop:]], 1)[:, :fmt.group_size]
-                scales[column // fmt.group_size] = choose_scales(group_weight)[0]
-            scale = scales[group_of[column]] if fmt.group_size else scales
-            q = torch.round(block[:, i] / scale).clamp(fmt.qmin, fmt.qmax)
+                chosen = choose_grid(group_weight)
+                grid.scales[column // fmt.group_size] = chosen.scales[0]
+                if grid.zeros is not None:
+                    grid.zeros[column // fmt.group_size] = chosen.zeros[0]
+            group = group_of[column] if fmt.group_size else slice(None)
+            zero = None if grid.zeros is None else grid.zeros[group]
+            q, dequantized = quantize_column(block[:, i], grid.scales[group], zero, fmt)
             codes[:, column] = q
-            error = (block[:, i] - q * scale) / upper[column, column]
+            error = (block[:, i] - dequantized) / upper[column, column]
             block[:, i:] -= error[:, None] * upper[column, column:stop][None, :]
             errors[:, i] = error
         W[:, stop:] -= errors @ upper[start:stop, stop:]

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 import torch
 
 from fxllm.compiler.interface import make_input, sample_dims
 from fxllm.compiler.targets.onnx_translations import TRANSLATIONS
 from fxllm.compiler.program import Program
+from fxllm.compiler.quant.numerics import HALF_SUFFIX
 from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
 from fxllm.errors import UnsupportedModelError
 from fxllm.runtime.contract import CONTRACT_METADATA_KEY, contract_digest
@@ -32,13 +36,18 @@ def export_program(program: Program) -> torch.export.ExportedProgram:
         return torch.export.export(program.graph_module, args, dynamic_shapes=dynamic, strict=False)
 
 
-def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort") -> onnx.ModelProto:
-    """Write `path` (+ `path`.data with the weights) and return the model proto without weights, checked."""
+def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort",
+                  seconds: dict[str, float] | None = None) -> onnx.ModelProto:
+    """Write `path` (+ `path`.data with the weights) and return the model proto without weights, checked.
+    The exporter's model is finished in memory (dimension names, node origins, packed INT4, float16 GGUF scales)
+    and written once. `seconds` (optional) receives the time of each lowering step."""
     if target not in TARGETS:
         raise UnsupportedModelError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
-    exported = export_program(program)
+    timer = _Timer(seconds)
+    with timer("re-export"):
+        exported = export_program(program)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
+    with timer("onnx export"), warnings.catch_warnings(), _no_redundant_decomposition():
         warnings.simplefilter("ignore")
         onnx_program = torch.onnx.export(
             exported,
@@ -51,48 +60,106 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
             verbose=False,
         )
     path = Path(path)
-    onnx_program.save(str(path), external_data=True)
-    name_dimensions(path, program)  # also records the contract digest the runtime checks the manifest against
-    record_origins(path, exported.graph)
-    pack_int4_weights(path)
-    check_onnx(path)
-    return onnx.load(str(path), load_external_data=False)
+    with timer("finish"):
+        model = onnx_program.model
+        name_dimensions(model, program)
+        record_origins(model, exported.graph)
+        pack_int4_weights(model)
+        if target == "ort":
+            store_half_scales(model)
+    with timer("save"):
+        onnx_program.save(str(path), external_data=True)
+    with timer("check"):
+        return check_onnx(path)
 
 
-def name_dimensions(path: Path, program: Program) -> None:
+@contextlib.contextmanager
+def _no_redundant_decomposition():
+    """torch.onnx.export re-traces the whole program (with symbolic shapes: about 40% of lowering) to decompose
+    the ops that have no ONNX translation. The passes' graphs need that only for `aten.to.dtype` and the
+    `_assert_tensor_metadata` checks, which `_prepare_for_onnx` rewrites in place beforehand; when nothing else
+    needs decomposing, the re-trace is skipped (any other op takes torch's own path, unchanged)."""
+    from torch.onnx._internal.exporter import _decomp, _fx_passes
+
+    original = _fx_passes.decompose_with_registry
+
+    def decompose(exported_program, registry):
+        registered = set(_decomp.get_onnx_implemented_overloads(registry))
+        _prepare_for_onnx(exported_program.graph_module)
+        if all(node.target in registered for node in exported_program.graph.nodes
+               if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)):
+            return exported_program
+        return original(exported_program, registry)
+
+    _fx_passes.decompose_with_registry = decompose
+    try:
+        yield
+    finally:
+        _fx_passes.decompose_with_registry = original
+
+
+def _prepare_for_onnx(graph_module: torch.fx.GraphModule) -> None:
+    """Drop `_assert_tensor_metadata` checks and spell `x.to(dtype)` as `_to_copy`, which ONNX translates."""
+    aten = torch.ops.aten
+    for node in list(graph_module.graph.nodes):
+        if node.target is aten._assert_tensor_metadata.default and not node.users:
+            graph_module.graph.erase_node(node)
+        elif node.target is aten.to.dtype:
+            node.target = aten._to_copy.default
+            node.args, node.kwargs = (node.args[0],), {"dtype": node.args[1]}
+    graph_module.recompile()
+
+
+class _Timer:
+    def __init__(self, seconds: dict[str, float] | None):
+        self.seconds = seconds if seconds is not None else {}
+
+    @contextlib.contextmanager
+    def __call__(self, step: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
+
+
+def _values(graph: ir.Graph):
+    yield from graph.inputs
+    for node in graph.all_nodes():
+        yield from node.outputs
+
+
+def name_dimensions(model: ir.Model, program: Program) -> None:
     """Replace export's symbols (s0, s70, 's1 + s70'...) by the signature's names (batch, tokens, past, total) on
     the graph's inputs, outputs and every intermediate that uses the same symbols, so ONNX users (and TensorRT
-    optimization profiles) see meaningful dynamic dimensions."""
-    model = onnx.load(str(path), load_external_data=False)  # rewriting the proto keeps the external data as is
+    optimization profiles) see meaningful dynamic dimensions. Also records the contract digest the runtime checks
+    the manifest against."""
+    model.metadata_props[CONTRACT_METADATA_KEY] = contract_digest(program.spec.to_dict(), program.inputs,
+                                                                  program.outputs)
+    graph = model.graph
     renames: dict[str, str] = {}
-    io = list(zip(model.graph.input, program.inputs)) + list(zip(model.graph.output, program.outputs))
-    for value, sig in io:
-        for dim, name in zip(value.type.tensor_type.shape.dim, sig.dims):
-            if isinstance(name, str) and dim.dim_param:
-                renames.setdefault(dim.dim_param, name)
-                dim.dim_param = name
-    for value in model.graph.value_info:
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param in renames:
-                dim.dim_param = renames[dim.dim_param]
-    digest = contract_digest(program.spec.to_dict(), program.inputs, program.outputs)
-    model.metadata_props.add(key=CONTRACT_METADATA_KEY, value=digest)
-    onnx.save(model, str(path))
+    for value, sig in list(zip(graph.inputs, program.inputs)) + list(zip(graph.outputs, program.outputs)):
+        if value.shape is None:
+            continue
+        for dim, name in zip(value.shape.dims, sig.dims):
+            if isinstance(name, str) and isinstance(dim, ir.SymbolicDim) and dim.value:
+                renames.setdefault(dim.value, name)
+    for value in _values(graph):
+        if value.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in renames
+                                           for d in value.shape.dims):
+            value.shape = ir.Shape([renames.get(d.value, d.value) if isinstance(d, ir.SymbolicDim) else d
+                                    for d in value.shape.dims])
 
 
-def record_origins(path: Path, graph: torch.fx.Graph) -> None:
+def record_origins(model: ir.Model, graph: torch.fx.Graph) -> None:
     """Copy each fx node's origin pass onto the ONNX nodes lowered from it, matched through the exporter's
     pkg.torch.onnx.fx_node metadata or its node_<fx name> naming; nodes the exporter's own fusions created
     (RMSNormalization, RotaryEmbedding...) are marked "lowering"."""
     from fxllm.compiler.pass_manager import origin_of
 
     origins = {node.name: origin_of(node) for node in graph.nodes}
-    model = onnx.load(str(path), load_external_data=False)
-    for node in model.graph.node:
-        fx_node = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.fx_node"), "")
-        name = fx_node.split(" ", 1)[0].lstrip("%") or node.name.removeprefix("node_")
-        node.metadata_props.add(key=ORIGIN_KEY, value=origins.get(name) or "lowering")
-    onnx.save(model, str(path))
+    for node in model.graph.all_nodes():
+        fx_node = node.metadata_props.get("pkg.torch.onnx.fx_node", "")
+        name = fx_node.split(" ", 1)[0].lstrip("%") or (node.name or "").removeprefix("node_")
+        node.metadata_props[ORIGIN_KEY] = origins.get(name) or "lowering"
 
 
 INT4_SUFFIX = "_int4_codes"
@@ -108,41 +175,71 @@ def pack_int4(values) -> bytes:
     return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
 
 
-def pack_int4_weights(path: Path) -> None:
+def _initializers_feeding(model: ir.Model, op_type: str, suffix: str, blocked: bool = False) -> list[ir.Value]:
+    found = []
+    for name, value in model.graph.initializers.items():
+        if not name.endswith(suffix) or value.const_value is None:
+            continue
+        consumers = value.consumers()
+        if consumers and all(n.op_type == op_type and (not blocked or n.attributes.get_int("block_size", 0) > 0)
+                             for n in consumers):
+            found.append(value)
+    return found
+
+
+def pack_int4_weights(model: ir.Model) -> None:
     """4-bit weights are exported as INT8 initializers holding -8..7 (torch has no int4 buffers); the quantize pass
-    names them `*_int4_codes`. Where one feeds a blocked DequantizeLinear, store it as packed INT4, two per byte,
+    names them `*_int4_codes`. Where one feeds blocked DequantizeLinears, store it as packed INT4, two per byte,
     which is what TensorRT and ONNX Runtime's MatMulNBits expect."""
     import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
 
-    header = onnx.load(str(path), load_external_data=False)
-    blocked = {n.input[0] for n in header.graph.node if n.op_type == "DequantizeLinear"
-               and any(a.name == "block_size" and a.i > 0 for a in n.attribute) and n.input[0].endswith(INT4_SUFFIX)}
-    if not blocked:
-        return
-    model = onnx.load(str(path))  # with weights
-    data_file = path.with_name(path.name + ".data")
-    for index, tensor in enumerate(model.graph.initializer):
-        if tensor.name in blocked and tensor.data_type == TensorProto.INT8:
-            values = numpy_helper.to_array(tensor)
-            if values.min() < -8 or values.max() > 7:
-                raise UnsupportedModelError(f"initializer '{tensor.name}' feeds a blocked DequantizeLinear but holds "
-                                            "values outside int4")
-            packed = helper.make_tensor(tensor.name, TensorProto.INT4, values.shape, pack_int4(values), raw=True)
-            model.graph.initializer[index].CopyFrom(packed)
-    stale = [v for v in model.graph.value_info if v.name in blocked]  # typed INT8 by the exporter
-    for value in stale:
-        model.graph.value_info.remove(value)
-    data_file.unlink()
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data_file.name, size_threshold=1024)
+    for value in _initializers_feeding(model, "DequantizeLinear", INT4_SUFFIX, blocked=True):
+        if value.dtype != ir.DataType.INT8:
+            continue
+        values = value.const_value.numpy()
+        if values.min() < -8 or values.max() > 7:
+            raise UnsupportedModelError(f"initializer '{value.name}' feeds a blocked DequantizeLinear but holds "
+                                        "values outside int4")
+        packed = np.frombuffer(pack_int4(values), dtype=np.uint8)
+        value.const_value = ir.PackedTensor(packed, ir.DataType.INT4, shape=values.shape, name=value.name)
+        value.dtype = ir.DataType.INT4
 
 
-def check_onnx(path: Path) -> None:
-    """onnx.checker (reads external data by path) plus strict shape inference, which must type every output."""
+def store_half_scales(model: ir.Model) -> None:
+    """Scales that hold float16 values (GGUF blocks; buffers named *_f16 by the quantize pass) are stored as
+    float16, bit for bit, with a Cast to float32 in front of their users: ONNX Runtime folds the Cast when it loads
+    the model, so the DequantizeLinear → MatMul fusion still sees float32 constants (ort target only: TensorRT's
+    dequantize wants its scales as plain initializers)."""
+    import numpy as np
+
+    graph = model.graph
+    for name, value in list(graph.initializers.items()):
+        if not name.endswith(HALF_SUFFIX) or value.const_value is None or value.dtype != ir.DataType.FLOAT:
+            continue
+        values = value.const_value.numpy()
+        half = values.astype(np.float16)
+        if not np.array_equal(half.astype(np.float32), values):
+            raise UnsupportedModelError(f"initializer '{name}' is marked float16 but holds other values")
+        uses = list(value.uses())
+        value.const_value = ir.Tensor(half, name=name)
+        value.dtype = ir.DataType.FLOAT16
+        cast = ir.node("Cast", inputs=[value], attributes={"to": ir.DataType.FLOAT}, name=f"{name}_cast")
+        cast.outputs[0].name = f"{name}_float"
+        cast.outputs[0].dtype = ir.DataType.FLOAT
+        cast.outputs[0].shape = value.shape
+        cast.metadata_props[ORIGIN_KEY] = "lowering"
+        graph.insert_before(graph.node(0), cast)
+        for user, index in uses:
+            user.replace_input_with(index, cast.outputs[0])
+
+
+def check_onnx(path: Path) -> onnx.ModelProto:
+    """onnx.checker (reads external data by path) plus strict shape inference, which must type every output;
+    → the model proto without weights."""
     onnx.checker.check_model(str(path), full_check=True)
     model = onnx.load(str(path), load_external_data=False)
     inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     for output in inferred.graph.output:
         if not output.type.tensor_type.HasField("shape"):
             raise UnsupportedModelError(f"ONNX shape inference left output '{output.name}' without a shape")
+    return model

@@ -40,28 +40,47 @@ def masked_attention(q, k, v, mask, scale: float):
     return out
 
 
-def dequant_linear(x, qweight, scales, bias, block_size: int):
+def dequant_linear(x, qweight, scales, offsets, bias, block_size: int):
     """fxllm::dequant_linear → DequantizeLinear (opset 21+: per output column, or blocked along the input axis,
     no zero point) → MatMul (+ Add): the weight-only pattern TensorRT builds quantized GEMMs from and ONNX Runtime
-    fuses into MatMulNBits. INT4 weights are packed by lowering (see onnx_export.pack_int4_weights)."""
+    fuses into MatMulNBits. INT4 weights are packed by lowering (see onnx_export.pack_int4_weights). Asymmetric
+    formats add their per-block offsets exactly, in standard ops: the input summed per block, times the small
+    [blocks, out] offset matrix (TensorRT's INT4 path takes no zero point; see block_sums)."""
     if block_size == 0:
         weight = op.DequantizeLinear(qweight, scales, axis=1)
     else:
         weight = op.DequantizeLinear(qweight, scales, axis=0, block_size=block_size)
     out = op.MatMul(x, weight)
+    if offsets is not None:
+        out = op.Add(out, op.MatMul(block_sums(x, block_size, qweight.shape[0]), offsets))
     return op.Add(out, bias) if bias is not None else out
 
 
-def dequant_embedding(codes, scales, ids, block_size: int):
+def block_sums(x, block_size: int, in_features: int):
+    """[..., K] → [..., ceil(K / block_size)]: x summed over each block of the last dim; a ragged last block is
+    padded with zeros first."""
+    pad = -in_features % block_size
+    if pad:
+        zeros = op.ConstantOfShape(op.Concat(op.Shape(x, start=0, end=-1), op.Constant(value_ints=[pad]), axis=0))
+        x = op.Concat(x, zeros, axis=-1)
+    shape = op.Concat(op.Shape(x, start=0, end=-1), op.Constant(value_ints=[-1, block_size]), axis=0)
+    return op.ReduceSum(op.Reshape(x, shape), op.Constant(value_ints=[-1]), keepdims=0)
+
+
+def dequant_embedding(codes, scales, ids, block_size: int, transposed: bool = False):
     """fxllm::dequant_embedding → Gather the rows' codes and scales, then a DequantizeLinear blocked along the hidden
     axis: only the looked-up rows are dequantized. Done on 2D [ids, hidden] (TensorRT's dequantize takes rank <= 2
-    scales), then reshaped to [..., hidden]."""
+    scales), then reshaped to [..., hidden]. transposed: the tied lm_head's [hidden, vocab] weight, gathered by
+    column, dequantized along axis 0 and transposed."""
     flat_ids = op.Reshape(ids, op.Constant(value_ints=[-1]))
-    rows = op.Gather(codes, flat_ids, axis=0)
-    row_scales = op.Gather(scales, flat_ids, axis=0)
-    values = op.DequantizeLinear(rows, row_scales, axis=1, block_size=block_size)
-    shape = op.Concat(op.Shape(ids), op.Shape(codes, start=1, end=2), axis=0)
-    return op.Reshape(values, shape)
+    axis = 1 if transposed else 0
+    rows = op.Gather(codes, flat_ids, axis=axis)
+    row_scales = op.Gather(scales, flat_ids, axis=axis)
+    values = op.DequantizeLinear(rows, row_scales, axis=1 - axis, block_size=block_size)
+    if transposed:
+        values = op.Transpose(values, perm=[1, 0])
+    hidden = op.Shape(codes, start=1 - axis, end=2 - axis)
+    return op.Reshape(values, op.Concat(op.Shape(ids), hidden, axis=0))
 
 
 def gather_blocks(pool, block_tables):

@@ -1,0 +1,178 @@
+"""GGUF-exact compiles: a GGUF's own Q4_0 / Q4_1 / Q8_0 blocks become the artifact's int4/int8 blocks as stored.
+
+Tiny random-weight Llama GGUF files are written with the `gguf` package (SmolLM2's tokenizer metadata, 2 layers,
+hidden 64). transformers' GGUF loading (dequantized to float32) is the reference: the artifact, run with float
+activations, must give its greedy tokens and nearly its logits, while storing no more than the GGUF's bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fxllm
+from fxllm.compiler.pipeline import place_quantization
+from fxllm.compiler.sources import default_model_path, load_model, resolve_source
+from fxllm.errors import PipelineError
+from tests.gguf_files import copy_metadata
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+PROMPTS = ["The quick brown fox", "Paris is", "def fibonacci(n):"]
+OVERRIDES = {"llama.block_count": LAYERS, "llama.context_length": 256, "llama.embedding_length": HIDDEN,
+             "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
+             "llama.attention.head_count_kv": KV_HEADS, "llama.rope.dimension_count": HIDDEN // HEADS}
+
+
+def write_tiny_gguf(path: Path, body: str, embedding: str = "Q8_0", exceptions: dict[str, str] | None = None,
+                    seed: int = 0) -> Path:
+    """A 2-layer Llama GGUF with SmolLM2's tokenizer: projections stored as `body`, token_embd (tied lm_head) as
+    `embedding`, norms float32; `exceptions` maps tensor names to other types."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader, GGUFWriter
+    from gguf.quants import quantize
+
+    writer = GGUFWriter(path, "llama")
+    copy_metadata(GGUFReader(default_model_path()), writer, OVERRIDES)
+    generator = np.random.default_rng(seed)
+    head_dim = HIDDEN // HEADS
+    shapes = {"token_embd.weight": (49152, HIDDEN), "output_norm.weight": (HIDDEN,)}
+    for layer in range(LAYERS):
+        shapes |= {f"blk.{layer}.attn_norm.weight": (HIDDEN,), f"blk.{layer}.ffn_norm.weight": (HIDDEN,),
+                   f"blk.{layer}.attn_q.weight": (HIDDEN, HIDDEN), f"blk.{layer}.attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
+                   f"blk.{layer}.attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
+                   f"blk.{layer}.attn_output.weight": (HIDDEN, HIDDEN), f"blk.{layer}.ffn_gate.weight": (FFN, HIDDEN),
+                   f"blk.{layer}.ffn_up.weight": (FFN, HIDDEN), f"blk.{layer}.ffn_down.weight": (HIDDEN, FFN)}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            writer.add_tensor(name, (1 + 0.1 * generator.standard_normal(shape)).astype(np.float32))
+            continue
+        values = (generator.standard_normal(shape) * (0.5 if name.startswith("token") else 0.15)).astype(np.float32)
+        kind = Q[(exceptions or {}).get(name, embedding if name.startswith("token") else body)]
+        writer.add_tensor(name, quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+
+
+def greedy(engine, prompts: list[str], tokens: int = 24) -> list[list[int]]:
+    engine.eos_token_ids = set()
+    return [r.token_ids for r in engine.generate(prompts, max_new_tokens=tokens)]
+
+
+def transformers_greedy(model, tokenizer, prompts: list[str], tokens: int = 24) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        with torch.no_grad():
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=tokens, eos_token_id=None)
+        out.append(generated[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def q4_1_file(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf", "Q4_1")
+
+
+@pytest.fixture(scope="module")
+def q4_1_artifact(q4_1_file, tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("gguf-artifact") / "artifact"
+    fxllm.compile(str(q4_1_file), output)
+    return output
+
+
+@pytest.mark.parametrize("body", ["Q4_1", "Q4_0", "Q8_0"])
+def test_gguf_blocks_are_kept_exactly(body, q4_1_file, q4_1_artifact, tmp_path):
+    """Default compile of a GGUF: greedy tokens equal transformers' float model's (dequantized from the same file),
+    logits within float rounding, and the artifact's model files no larger than 1.1x the GGUF's tensors."""
+    import onnx
+
+    path = q4_1_file if body == "Q4_1" else write_tiny_gguf(tmp_path / f"tiny.{body}.gguf", body)
+    artifact = q4_1_artifact if body == "Q4_1" else tmp_path / "artifact"
+    if body != "Q4_1":
+        fxllm.compile(str(path), artifact)
+    source = resolve_source(str(path))
+    model = load_model(source)
+    engine = fxllm.load(artifact, int8_activations=False)
+    assert greedy(engine, PROMPTS) == transformers_greedy(model, engine.tokenizer, PROMPTS)
+    ids = engine.tokenizer(PROMPTS[1])["input_ids"]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    assert abs(engine.score(ids) - expected).max() < 1e-3
+    manifest = engine.manifest.data
+    assert "quantized" in manifest["facts"] and any("keep" in note for note in manifest["spec"]["notes"])
+    model_bytes = sum(f["bytes"] for name, f in manifest["files"].items() if not name.startswith("tokenizer"))
+    assert model_bytes <= 1.1 * gguf_tensor_bytes(path)
+    graph = onnx.load(str(artifact / "model.onnx"), load_external_data=False).graph
+    types = {i.name: i.data_type for i in graph.initializer}
+    codes = [types[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in types]
+    bits = onnx.TensorProto.INT8 if body == "Q8_0" else onnx.TensorProto.INT4
+    assert codes.count(bits) == LAYERS * 4 + (body == "Q8_0") and onnx.TensorProto.INT8 in codes  # + Q8_0 lm_head
+    gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in types]
+    assert {types[n.input[0]] for n in gathers} == {onnx.TensorProto.INT8}  # the embedding reads the lm_head's codes
+    assert sum(n.op_type == "ReduceSum" for n in graph.node) == (LAYERS * 4 if body == "Q4_1" else 0)
+
+
+def test_unmapped_gguf_types_fall_back_to_float_with_a_warning(tmp_path, capfd):
+    path = write_tiny_gguf(tmp_path / "tiny.mixed.gguf", "Q4_0", exceptions={"blk.1.ffn_down.weight": "Q5_0"})
+    report = fxllm.compile(str(path), tmp_path / "artifact")
+    assert "1 GGUF tensors of type Q5_0 have no exact form" in capfd.readouterr().err
+    record = next(r for r in report.records if r.name == "quantize")
+    (name, kind), = record.diagnostics["fallbacks"].items()
+    assert name.endswith("model.layers.1.mlp.down_proj.weight") and kind == "Q5_0"
+    engine = fxllm.load(tmp_path / "artifact", int8_activations=False)
+    model = load_model(resolve_source(str(path)))
+    assert greedy(engine, PROMPTS[:1]) == transformers_greedy(model, engine.tokenizer, PROMPTS[:1])
+
+
+def test_tensorrt_form_of_gguf_blocks_audits_and_matches_ort(q4_1_file, q4_1_artifact, tmp_path):
+    from fxllm.compiler.targets.tensorrt_audit import audit_file
+
+    fxllm.compile(str(q4_1_file), tmp_path / "trt", target="tensorrt")
+    assert audit_file(tmp_path / "trt") == []
+    trt_form = fxllm.load(tmp_path / "trt", int8_activations=False)
+    ort_form = fxllm.load(q4_1_artifact, int8_activations=False)
+    assert greedy(trt_form, PROMPTS) == greedy(ort_form, PROMPTS)
+
+
+def test_requantize_and_quant_flags_on_gguf(q4_1_file, make_tiny_model, tmp_path):
+    with pytest.raises(PipelineError, match="--requantize applies to GGUF sources only"):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "a", requantize=True)
+    with pytest.raises(PipelineError, match="kept exactly; add --requantize"):
+        fxllm.compile(str(q4_1_file), tmp_path / "b", quant="int4-rtn")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # what the library places (the same function the CLI's --quant / --requantize go through)
+    assert place_quantization(None, None, gguf=True) == (
+        "cleanup,gqa,fuse-projections,select-logits,quantize,kv-cache", {"quantize": {"method": "gguf"}})
+    assert place_quantization(None, None, gguf=True, requantize=True) == (None, {})
+    passes, options = place_quantization(None, None, "int4-gptq", {"group_size": 64, "zero_point": True}, gguf=True,
+                                         requantize=True)
+    assert "quantize,kv-cache" in passes and options["quantize"] == {"group_size": 64, "zero_point": True,
+                                                                      "method": "int4-gptq"}
+    with pytest.raises(PipelineError, match="needs a method"):
+        place_quantization(None, None, None, {"group_size": 64})
+
+
+def test_cli_flags_are_one_line_errors(q4_1_file, make_tiny_model, tmp_path, capsys):
+    from fxllm.cli import main
+
+    tiny = str(make_tiny_model("llama"))
+    capsys.readouterr()  # the fixtures' progress bars
+    for argv, message in [([tiny, "--requantize"], "--requantize applies to GGUF sources only"),
+                          ([str(q4_1_file), "--quant", "int4-rtn"], "kept exactly; add --requantize"),
+                          ([str(q4_1_file), "--group-size", "64"], "needs a method")]:
+        assert main(["compile", *argv, "-o", str(tmp_path / "out")]) == 1
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1
+        assert not (tmp_path / "out").exists()
