@@ -72,7 +72,7 @@ def check(kind: str, new_tokens: int) -> dict:
     torch.set_num_threads(2)
     identical = 0
     for prompt in PROMPTS:
-        ids = engine.tokenizer(prompt)["input_ids"]
+        ids = engine.tokenizer.encode(prompt)
         ours = engine.generate_ids([ids], max_new_tokens=new_tokens)[0].token_ids
         with torch.no_grad():
             theirs = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

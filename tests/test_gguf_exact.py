@@ -14,7 +14,7 @@ import torch
 
 import fxllm
 from fxllm.compiler.pipeline import place_quantization
-from fxllm.compiler.sources import default_model_path, load_model, resolve_source
+from fxllm.compiler.sources import default_model_path, load_model, load_tokenizer, resolve_source
 from fxllm.errors import PipelineError
 from tests.gguf_files import copy_metadata
 
@@ -105,8 +105,8 @@ def test_gguf_blocks_are_kept_exactly(body, q4_1_file, q4_1_artifact, tmp_path):
     source = resolve_source(str(path))
     model = load_model(source)
     engine = fxllm.load(artifact, int8_activations=False)
-    assert greedy(engine, PROMPTS) == transformers_greedy(model, engine.tokenizer, PROMPTS)
-    ids = engine.tokenizer(PROMPTS[1])["input_ids"]
+    assert greedy(engine, PROMPTS) == transformers_greedy(model, load_tokenizer(source), PROMPTS)
+    ids = engine.tokenizer.encode(PROMPTS[1])
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].numpy()
     assert abs(engine.score(ids) - expected).max() < 1e-3
@@ -132,8 +132,8 @@ def test_unmapped_gguf_types_fall_back_to_float_with_a_warning(tmp_path, capfd):
     (name, kind), = record.diagnostics["fallbacks"].items()
     assert name.endswith("model.layers.1.mlp.down_proj.weight") and kind == "Q5_0"
     engine = fxllm.load(tmp_path / "artifact", int8_activations=False)
-    model = load_model(resolve_source(str(path)))
-    assert greedy(engine, PROMPTS[:1]) == transformers_greedy(model, engine.tokenizer, PROMPTS[:1])
+    source = resolve_source(str(path))
+    assert greedy(engine, PROMPTS[:1]) == transformers_greedy(load_model(source), load_tokenizer(source), PROMPTS[:1])
 
 
 def test_tensorrt_form_of_gguf_blocks_audits_and_matches_ort(q4_1_file, q4_1_artifact, tmp_path):
