@@ -12,7 +12,6 @@ from fxllm.runtime.artifact import check_output, staging_directory, write_manife
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
 from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tokenizer, check_same_vocab,
                                   parse_draft, truncate_layers)
-from fxllm.compiler.interruption import interruptible
 from fxllm.compiler.pipeline import build_pipeline, parse_pipeline, place_quantization
 from fxllm.progress import status
 from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source, source_architecture
@@ -89,7 +88,7 @@ def compile_model(
         report.seconds[phase] = time.perf_counter() - start
         return result
 
-    with interruptible(), staging_directory(output) as stage:
+    with staging_directory(output) as stage:  # also turns SIGINT/SIGTERM/SIGHUP into a clean Interrupted
         torch_model = timed("load", f"loading {source.name}", load_model, source)
         tokenizer = load_tokenizer(source)
         if draft_spec is not None:

@@ -12,9 +12,7 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any
 
 from fxllm.errors import ArtifactError
 from fxllm.runtime.contract import ARTIFACT_KIND, FORMAT_VERSION, MANIFEST_FILE
+from fxllm.runtime.interruption import held_back, interruptible
 
 _MAX_MANIFEST_BYTES = 16 << 20  # a manifest is kilobytes; a bigger "manifest.json" is somebody else's file
 
@@ -102,27 +101,29 @@ def _raise(error: OSError) -> None:
 @contextmanager
 def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
     """Yield a new, hidden temporary directory next to `output`; when the block succeeds it replaces `output`,
-    when it fails or is interrupted it vanishes. `output` is checked (check_output) on entry and again just before
-    the swap; the staging directory is created on entry, so an unwritable location fails before any work."""
+    when it fails or is interrupted (SIGINT, SIGTERM, SIGHUP: runtime/interruption.py) it vanishes and `output` is
+    left as it was. `output` is checked (check_output) on entry and again just before the swap; the staging
+    directory is created on entry, so an unwritable location fails before any work."""
     output = check_output(output)
     blocker = next((p for p in reversed(output.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise ArtifactError(f"cannot write the output directory '{output}': '{blocker}' is not a directory")
-    staging = None
-    try:
-        with _signals_deferred():  # a signal now is taken once `staging` is set, inside this try: it gets cleaned
-            staging = _create_staging(output)
-        yield staging
-        for file in staging.rglob("*"):  # some writers (onnx external data) create files 0600
-            if file.is_file():
-                file.chmod(0o666 & ~_umask())
-        check_output(output)  # again: the user may have put files there while we compiled
-        with _signals_deferred():
-            _swap_into_place(staging, output)
-    except BaseException:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with interruptible():
+        staging = None
+        try:
+            with held_back():  # a signal now is raised once `staging` is set, inside this try: it gets cleaned
+                staging = _create_staging(output)
+            yield staging
+            for file in staging.rglob("*"):  # some writers (onnx external data) create files 0600
+                if file.is_file():
+                    file.chmod(0o666 & ~_umask())
+            check_output(output)  # again: the user may have put files there while we compiled
+            with held_back():  # never between the two renames
+                _swap_into_place(staging, output)
+        except BaseException:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
 
 
 def _create_staging(output: Path) -> Path:
@@ -149,24 +150,6 @@ def _swap_into_place(staging: Path, output: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
         raise
     shutil.rmtree(retired, ignore_errors=True)
-
-
-_INTERRUPTIONS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-@contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM/SIGHUP back while the block runs (delivered when it ends), so an interruption cannot fall
-    between moving the old artifact aside and moving the new one in. Where signals cannot be masked (not the main
-    thread's job, or no pthread_sigmask), it does nothing."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTIONS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _umask() -> int:

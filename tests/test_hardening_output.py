@@ -266,8 +266,8 @@ def _compile_and_signal(model: Path, output: Path, signum: int, results: dict) -
 
 
 def test_interruptible_restores_the_previous_handlers():
-    from fxllm.compiler.interruption import interruptible
     from fxllm.errors import Interrupted
+    from fxllm.runtime.interruption import interruptible
 
     seen = []
 
@@ -290,3 +290,19 @@ def test_interruptible_restores_the_previous_handlers():
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+def test_a_signal_during_held_back_steps_is_raised_right_after_them():
+    """The staging directory's creation and the swap's two renames are never cut in two by a signal."""
+    from fxllm.errors import Interrupted
+    from fxllm.runtime.interruption import held_back, interruptible
+
+    steps = []
+    with pytest.raises(Interrupted) as caught:
+        with interruptible():
+            with held_back():
+                os.kill(os.getpid(), signal.SIGTERM)
+                sum(range(100_000))  # many bytecode boundaries: the handler runs here, and only records the signal
+                steps.append("held back")
+            steps.append("after")  # not reached
+    assert steps == ["held back"] and caught.value.signum == signal.SIGTERM
