@@ -192,7 +192,7 @@ class Engine:
         return self._run(prompt_ids, check_request(max_new_tokens, temperature, top_k, top_p, seed, stop), prompts)
 
     def _run(self, prompt_ids, request: GenerationRequest, prompts: list[str] | None) -> list[GenerationResult]:
-        sequences = self._new_sequences(check_prompt_ids(prompt_ids, self.spec["vocab_size"]), request.stop, prompts)
+        sequences = self._new_sequences(check_prompt_ids(prompt_ids, self.spec.vocab_size), request.stop, prompts)
         for _ in self._generate(sequences, request.max_new_tokens, request.sampling):
             pass
         return [seq.result for seq in sequences]
@@ -203,13 +203,13 @@ class Engine:
         """Yield the generated text piece by piece as tokens are decoded. The arguments are checked (and the prompt
         tokenized) when stream() is called, before the first piece is asked for."""
         request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
-        ids = check_prompt_ids([self.encode(prompt, request.chat)], self.spec["vocab_size"])
+        ids = check_prompt_ids([self.encode(prompt, request.chat)], self.spec.vocab_size)
         sequences = self._new_sequences(ids, request.stop, [prompt])
         return (delta for _, delta in self._generate(sequences, request.max_new_tokens, request.sampling) if delta)
 
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Logits [T,V] of every position of one sequence, in a single prefill (used by `fxllm eval`)."""
-        token_ids = check_prompt_ids([token_ids], self.spec["vocab_size"])[0]
+        token_ids = check_prompt_ids([token_ids], self.spec.vocab_size)[0]
         if not 0 < len(token_ids) <= self.max_context:
             raise GenerationError(f"can score 1 to {self.max_context} tokens at once, got {len(token_ids)}")
         if self.paged:

@@ -18,11 +18,12 @@ import pytest
 
 from fxllm.cli import main
 from fxllm.errors import ArtifactError
-from fxllm.runtime.artifact import MANIFEST, check_output, staging_directory, write_manifest
+from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
 
 # Only names the code before issue #16 already had are imported at module level: run against that code, every
 # regression test here fails on its own assertion rather than on an import.
 ARTIFACT_KIND = "fxllm-artifact"
+MANIFEST = "manifest.json"
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
