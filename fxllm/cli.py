@@ -160,7 +160,7 @@ def cmd_generate(args) -> None:
         results = engine.generate(args.prompt, **options)
         for result in results:
             if args.json:
-                print(json.dumps(result.to_dict(), ensure_ascii=False))
+                print(json.dumps(result.to_dict(), ensure_ascii=not _stdout_is_unicode()))
             else:
                 print(f"--- {result.prompt!r}\n{result.text}")
         if engine.last_metrics and "speculative" in engine.last_metrics:
@@ -249,6 +249,7 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (see the module docstring for the policy)."""
     verbose = False  # until the command line is parsed: a usage error has no traceback worth showing
+    _never_fail_on_encoding()
     try:
         args = build_parser().parse_args(argv)
         verbose = args.verbose
@@ -275,6 +276,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug, not bad input: still one line unless -v
         return _internal_error(exc, verbose)
     return code or 0
+
+
+def _never_fail_on_encoding() -> None:
+    """Generated text can hold any character; on a terminal or pipe whose encoding cannot show one (LANG=C,
+    PYTHONIOENCODING=ascii), print it as a backslash escape instead of failing with UnicodeEncodeError. (--json
+    output escapes non-ASCII itself on such a stream, so it stays valid JSON.)"""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and getattr(stream, "errors", None) == "strict":
+            stream.reconfigure(errors="backslashreplace")
+
+
+def _stdout_is_unicode() -> bool:
+    return (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "").startswith("utf")
 
 
 def _fail(message: str, code: int, verbose: bool) -> int:

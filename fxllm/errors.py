@@ -4,7 +4,12 @@ from __future__ import annotations
 
 
 class FxllmError(Exception):
-    """Base class: the message alone must tell the user what went wrong and what to do."""
+    """Base class: the message alone must tell the user what went wrong and what to do. It is one line: runs of
+    whitespace, newlines included, become one space, so that a library's multi-line message wrapped into an
+    FxllmError cannot break the one-line contract of the CLI, the Python API and (later) the HTTP error body."""
+
+    def __init__(self, message: object = "", *args: object):
+        super().__init__(" ".join(str(message).split()), *args)
 
 
 class ModelSourceError(FxllmError):
@@ -39,6 +44,9 @@ class InvalidArgumentError(GenerationError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+    def __reduce__(self):  # pickle (e.g. across processes) with both arguments, not just the message
+        return type(self), (self.param, str(self))
 
 
 class EvaluationError(FxllmError):

@@ -424,3 +424,27 @@ def test_console_script_exit_status(contiguous, argv, code, stderr):
         assert proc.stderr.count(b"\n") == 1 and proc.stderr.startswith(stderr), proc.stderr
     else:
         assert len(json.loads(proc.stdout)["token_ids"]) == 3
+
+
+def test_generated_text_on_an_ascii_only_stdout(contiguous, monkeypatch):
+    """LANG=C / PYTHONIOENCODING=ascii: characters the stream cannot encode are escaped, never an internal error;
+    --json output stays valid JSON."""
+    for argv in (["--json"], []):
+        raw = io.BytesIO()
+        monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii", errors="strict"))
+        code = main(["generate", str(contiguous), "--prompt", "héllo wörld 式", "--max-new-tokens", "6", *argv])
+        sys.stdout.flush()
+        assert code == 0
+        if argv:
+            assert json.loads(raw.getvalue().decode("ascii"))["prompt"] == "héllo wörld 式"
+
+
+def test_error_messages_are_one_line_and_survive_pickling():
+    import pickle
+
+    wrapped = FxllmError("cannot load the tokenizer: Couldn't instantiate from one of:\n  (1) a file,\n  (2) a class")
+    assert str(wrapped) == "cannot load the tokenizer: Couldn't instantiate from one of: (1) a file, (2) a class"
+    from fxllm.errors import InvalidArgumentError
+
+    error = pickle.loads(pickle.dumps(InvalidArgumentError("seed", "seed must be >= 0, got -1")))
+    assert error.param == "seed" and str(error) == "seed must be >= 0, got -1"
