@@ -403,9 +403,9 @@ def test_cli_generate_with_arbitrary_arguments(contiguous, paged, kind, prompt, 
 
 
 def fxllm_tokenizer(artifact: Path):
-    from transformers import AutoTokenizer
-
-    return _TOKENIZERS.setdefault(artifact, AutoTokenizer.from_pretrained(artifact / "tokenizer"))
+    if artifact not in _TOKENIZERS:
+        _TOKENIZERS[artifact] = fxllm.load(artifact, verify=False).tokenizer  # the runtime's own tokenizer
+    return _TOKENIZERS[artifact]
 
 
 _TOKENIZERS: dict = {}
