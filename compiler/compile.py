@@ -49,12 +49,15 @@ def compile_model(
     quant_options: dict[str, Any] | None = None,
     requantize: bool = False,
 ) -> CompileReport:
-    """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work.
-    With `draft` (see compiler/draft.py) the artifact also holds a draft model for speculative decoding with
-    `spec_k` proposed tokens per step. `keep_layers` keeps only the first N decoder layers (self-layers drafts).
-    `quant` (int8, int4-rtn, int4-gptq, int4-awq) with `quant_options` (group_size, calib, lm_head, embedding,
-    zero_point) adds the quantize pass (see pipeline.place_quantization). A GGUF source keeps its own quantized
-    blocks exactly under the default pipeline unless `requantize`."""
+    """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work, and so is
+    OUTPUT: it is replaced only when it is an fxllm artifact holding nothing else (runtime/artifact.py check_output),
+    and the hidden staging directory next to it is created first, so an unwritable location fails at once. A
+    failure or an interruption (SIGINT, SIGTERM, SIGHUP: Interrupted) removes the staging directory and leaves
+    OUTPUT as it was. With `draft` (see compiler/draft.py) the artifact also holds a draft model for speculative
+    decoding with `spec_k` proposed tokens per step. `keep_layers` keeps only the first N decoder layers
+    (self-layers drafts). `quant` (int8, int4-rtn, int4-gptq, int4-awq) with `quant_options` (group_size, calib,
+    lm_head, embedding, zero_point) adds the quantize pass (see pipeline.place_quantization). A GGUF source keeps its
+    own quantized blocks exactly under the default pipeline unless `requantize`."""
     from fxllm import __version__
     from fxllm.compiler.capture import capture
     from fxllm.compiler.targets.onnx_export import TARGETS, lower_to_onnx
@@ -75,7 +78,7 @@ def compile_model(
     if draft_source is not None:
         check_supported(source_architecture(draft_source))
     check_supported(source_architecture(source))
-    check_output(output)
+    _check_dump_dir(dump_dir, check_output(output))
     report = CompileReport(Path(output))
 
     def timed(phase: str, message: str, function, *args, **kwargs):
@@ -85,23 +88,23 @@ def compile_model(
         report.seconds[phase] = time.perf_counter() - start
         return result
 
-    torch_model = timed("load", f"loading {source.name}", load_model, source)
-    tokenizer = load_tokenizer(source)
-    if draft_spec is not None:
-        check_layers(draft_spec, torch_model.config.num_hidden_layers)
-        if draft_source is not None:
-            check_same_tokenizer(tokenizer, load_tokenizer(draft_source), draft_spec.model)
-    if keep_layers is not None:
-        truncate_layers(torch_model, keep_layers)
-    captured = timed("capture", "capturing with torch.export", capture, torch_model)
-    captured.program.tokenizer = tokenizer
-    if source.gguf_file:
-        captured.program.source_file = source.directory / source.gguf_file
-    program, report.records = timed(
-        "passes", f"running passes: {', '.join(s.name for s in steps)}", run_pipeline, captured.program, steps,
-        str(dump_dir) if dump_dir else None,
-    )
-    with staging_directory(output) as stage:
+    with staging_directory(output) as stage:  # also turns SIGINT/SIGTERM/SIGHUP into a clean Interrupted
+        torch_model = timed("load", f"loading {source.name}", load_model, source)
+        tokenizer = load_tokenizer(source)
+        if draft_spec is not None:
+            check_layers(draft_spec, torch_model.config.num_hidden_layers)
+            if draft_source is not None:
+                check_same_tokenizer(tokenizer, load_tokenizer(draft_source), draft_spec.model)
+        if keep_layers is not None:
+            truncate_layers(torch_model, keep_layers)
+        captured = timed("capture", "capturing with torch.export", capture, torch_model)
+        captured.program.tokenizer = tokenizer
+        if source.gguf_file:
+            captured.program.source_file = source.directory / source.gguf_file
+        program, report.records = timed(
+            "passes", f"running passes: {', '.join(s.name for s in steps)}", run_pipeline, captured.program, steps,
+            str(dump_dir) if dump_dir else None,
+        )
         timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program, stage / MODEL_FILE, target,
               report.lowering_steps)
         if target == "tensorrt":
@@ -136,6 +139,18 @@ def compile_model(
     if target == "tensorrt":
         _try_engine_build(report)
     return report
+
+
+def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> None:
+    if dump_dir is None:
+        return
+    dumps = Path(dump_dir).resolve()
+    if dumps.exists() and not dumps.is_dir():
+        raise PipelineError(f"--dump-dir '{dump_dir}' exists and is not a directory")
+    if dumps == output or output in dumps.parents:
+        raise PipelineError(f"--dump-dir '{dump_dir}' is inside the output directory, which the compile replaces; "
+                            "write the dumps elsewhere")
+    dumps.mkdir(parents=True, exist_ok=True)  # now, so that an unwritable place fails before the work (OSError)
 
 
 def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, report: CompileReport) -> dict[str, Any]:

@@ -1,18 +1,35 @@
-"""The `fxllm` command: compile, generate, inspect, eval, passes. Errors are one line; -v adds the traceback."""
+"""The `fxllm` command: compile, generate, inspect, eval, passes. Errors are one line; -v adds the traceback.
+
+Exit status: 0 success; 1 a failure the user caused or can fix (a bad argument or file, an artifact or output
+directory fxllm must refuse, permission denied, disk full, out of memory); 2 a bug in fxllm (an internal error);
+128 + N when signal N interrupted a compile (130 for Ctrl-C), after its staging directory was removed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import time
 import traceback
 
-from fxllm.errors import FxllmError
+from fxllm.errors import FxllmError, UsageError
+
+# OSErrors that are the user's environment, not fxllm's bug: report them like any user error (exit 1).
+USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EMFILE, errno.ENAMETOOLONG}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, except that a bad command line raises UsageError (one line, exit status 1) instead of printing the
+    usage and exiting with 2, which this CLI keeps for bugs."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxllm", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="fxllm", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and library warnings")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -132,13 +149,18 @@ def cmd_generate(args) -> None:
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,
                         kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
                         int8_activations=False if args.float_activations else None)
+    paged_only = [flag for flag, value in (("--kv-blocks", args.kv_blocks), ("--kv-cache-memory", args.kv_cache_memory))
+                  if value is not None]
+    if paged_only and not engine.paged:
+        raise UsageError(f"{paged_only[0]} applies to paged artifacts; '{args.artifact}' has a contiguous KV cache "
+                         "(compile with the `paged` pass to use a KV pool)")
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     if args.json or len(args.prompt) > 1:
         results = engine.generate(args.prompt, **options)
         for result in results:
             if args.json:
-                print(json.dumps(result.to_dict(), ensure_ascii=False))
+                print(json.dumps(result.to_dict(), ensure_ascii=not _stdout_is_unicode()))
             else:
                 print(f"--- {result.prompt!r}\n{result.text}")
         if engine.last_metrics and "speculative" in engine.last_metrics:
@@ -225,28 +247,59 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if not args.verbose:
-        _quiet_libraries()
+    """Run one command; returns the exit status (see the module docstring for the policy)."""
+    verbose = False  # until the command line is parsed: a usage error has no traceback worth showing
+    _never_fail_on_encoding()
     try:
+        args = build_parser().parse_args(argv)
+        verbose = args.verbose
+        if not verbose:
+            _quiet_libraries()
         code = COMMANDS[args.command](args)
     except FxllmError as exc:
-        if args.verbose:
-            traceback.print_exc()
-        print(f"fxllm: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("fxllm: interrupted", file=sys.stderr)
-        return 130
+        return _fail(f"error: {exc}", 1, verbose)
+    except KeyboardInterrupt as exc:  # Ctrl-C anywhere, or a compile's Interrupted (SIGINT/SIGTERM/SIGHUP)
+        import signal
+
+        signum = getattr(exc, "signum", signal.SIGINT)
+        return _fail(f"interrupted ({signal.Signals(signum).name})", 128 + signum, verbose)
     except BrokenPipeError:  # output piped into e.g. `head`
         sys.stderr.close()
         return 0
+    except OSError as exc:
+        if exc.errno not in USER_ERRNOS:
+            return _internal_error(exc, verbose)
+        where = f": '{exc.filename}'" if exc.filename else ""
+        return _fail(f"error: {exc.strerror or exc}{where}", 1, verbose)
+    except MemoryError:
+        return _fail("error: out of memory; try a smaller batch, KV pool (--kv-cache-memory) or model", 1, verbose)
     except Exception as exc:  # a bug, not bad input: still one line unless -v
-        if args.verbose:
-            traceback.print_exc()
-        print(f"fxllm: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", file=sys.stderr)
-        return 2
+        return _internal_error(exc, verbose)
     return code or 0
+
+
+def _never_fail_on_encoding() -> None:
+    """Generated text can hold any character; on a terminal or pipe whose encoding cannot show one (LANG=C,
+    PYTHONIOENCODING=ascii), print it as a backslash escape instead of failing with UnicodeEncodeError. (--json
+    output escapes non-ASCII itself on such a stream, so it stays valid JSON.)"""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and getattr(stream, "errors", None) == "strict":
+            stream.reconfigure(errors="backslashreplace")
+
+
+def _stdout_is_unicode() -> bool:
+    return (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "").startswith("utf")
+
+
+def _fail(message: str, code: int, verbose: bool) -> int:
+    if verbose:
+        traceback.print_exc()
+    print(f"fxllm: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the message holds
+    return code
+
+
+def _internal_error(exc: Exception, verbose: bool) -> int:
+    return _fail(f"internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", 2, verbose)
 
 
 if __name__ == "__main__":

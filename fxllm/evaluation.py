@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fxllm.errors import FxllmError, ModelSourceError
+from fxllm.errors import EvaluationError, FxllmError, InvalidArgumentError
 from fxllm.progress import progress
+from fxllm.runtime.checks import integer, short
 from fxllm.runtime.contract import MANIFEST_FILE
 
 
@@ -76,6 +77,34 @@ class EvalReport:
         return "\n".join(lines)
 
 
+def _checked(flag: str, param: str, value) -> int:
+    """A window length or token limit: an int >= 2 (one token to predict from, one to predict)."""
+    try:
+        return integer(param, value, minimum=2)
+    except InvalidArgumentError:
+        raise EvaluationError(f"{flag} must be an integer of at least 2, got {short(value)}") from None
+
+
+def read_text(text_path: str | os.PathLike) -> str:
+    """The evaluation text: a UTF-8 file, or a named public-domain text ('britannica', fetched once)."""
+    from fxllm.datasets import dataset_names, dataset_path
+
+    if str(text_path) in dataset_names() and not Path(text_path).exists():
+        text_path = dataset_path(str(text_path))
+    path = Path(text_path)
+    if not str(text_path).strip():
+        raise EvaluationError("the text file path is empty")
+    if path.is_dir():
+        raise EvaluationError(f"'{text_path}' is a directory; --text takes a UTF-8 text file")
+    if not path.is_file():
+        raise EvaluationError(f"text file '{text_path}' does not exist")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise EvaluationError(f"'{text_path}' is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                              f"{exc.start}); --text takes a UTF-8 text file") from None
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     logits = logits.astype(np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
@@ -84,26 +113,23 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def evaluate(model: str, text_path: str | os.PathLike, ctx: int = 512, max_tokens: int | None = None,
              reference: str | None = None, int8_activations: bool | None = None) -> EvalReport:
-    """Perplexity of `model` on a text file (or a named public-domain text: 'britannica')."""
-    from fxllm.datasets import dataset_names, dataset_path
-
-    if str(text_path) in dataset_names() and not Path(text_path).exists():
-        text_path = dataset_path(str(text_path))
-    path = Path(text_path)
-    if not path.is_file():
-        raise ModelSourceError(f"text file '{text_path}' does not exist")
-    if ctx < 2:
-        raise FxllmError(f"--ctx must be at least 2, got {ctx}")
+    """Perplexity of `model` on a UTF-8 text file (or a named public-domain text: 'britannica'). ctx: an int >= 2
+    (and at most the model's context); max_tokens: None (the whole text) or an int >= 2. The arguments and the text
+    are checked before any model is loaded: EvaluationError."""
+    ctx = _checked("--ctx", "ctx", ctx)
+    if max_tokens is not None:
+        max_tokens = _checked("--max-tokens", "max_tokens", max_tokens)
+    text = read_text(text_path)
     scorer = Scorer(model, int8_activations)
     if ctx > scorer.max_context:
-        raise FxllmError(f"--ctx {ctx} exceeds the model's context of {scorer.max_context} tokens")
-    ids = scorer.tokenizer.encode(path.read_text(encoding="utf-8"))
-    if max_tokens:
+        raise EvaluationError(f"--ctx {ctx} exceeds the model's context of {scorer.max_context} tokens")
+    ids = scorer.tokenizer.encode(text)
+    if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < 2:
-        raise FxllmError(f"'{text_path}' has fewer than 2 tokens; nothing to score")
+        raise EvaluationError(f"'{text_path}' has fewer than 2 tokens; nothing to score")
     ref = Scorer(reference) if reference else None
-    if ref is not None and ref.tokenizer.encode(path.read_text(encoding="utf-8"))[: len(ids)] != ids:
+    if ref is not None and ref.tokenizer.encode(text)[: len(ids)] != ids:
         raise FxllmError("the reference tokenizes the text differently; KL and agreement need identical tokens")
 
     nll = ref_nll = kl = 0.0

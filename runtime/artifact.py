@@ -1,7 +1,9 @@
 """The compiled artifact: a directory with manifest.json, the ONNX model (+ external weights) and the tokenizer.
 
-Written into a temporary sibling directory and renamed into place at the end, so a failed compile never leaves a
-directory that looks valid. Reading and validating a manifest is runtime/manifest.py's job.
+Written into a temporary sibling directory and renamed into place at the end, so a failed or interrupted compile
+never leaves a directory that looks valid. An existing output directory is replaced only when it is an fxllm artifact
+by its own manifest's marker ("kind": "fxllm-artifact") and holds nothing the manifest does not own: a compile never
+deletes a user's files. Reading and validating a manifest is runtime/manifest.py's job.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from fxllm.errors import ArtifactError
-from fxllm.runtime.contract import FORMAT_VERSION, MANIFEST_FILE
+from fxllm.runtime.contract import ARTIFACT_KIND, FORMAT_VERSION, MANIFEST_FILE
+from fxllm.runtime.interruption import held_back, interruptible
+
+_MAX_MANIFEST_BYTES = 16 << 20  # a manifest is kilobytes; a bigger "manifest.json" is somebody else's file
 
 
 def sha256_file(path: Path) -> str:
@@ -29,38 +34,122 @@ def sha256_file(path: Path) -> str:
 
 
 def check_output(output: str | os.PathLike) -> Path:
-    """Refuse an output path we must not replace, before any expensive work."""
-    output = Path(output).resolve()
-    if output.exists() and not output.is_dir():
-        raise ArtifactError(f"output '{output}' is a file, not an artifact directory")
-    if output.exists() and not (output / MANIFEST_FILE).exists() and any(output.iterdir()):
-        raise ArtifactError(f"'{output}' exists and is not an fxllm artifact; refusing to replace it")
-    return output
+    """The resolved output path, or ArtifactError (one line, nothing deleted) when the compiler must not replace it.
+    Replaceable: a path that does not exist, an empty directory, or an fxllm artifact whose manifest carries the
+    marker "kind": "fxllm-artifact" and which holds no file or directory the manifest does not own (the files it
+    lists, the directories leading to them, and manifest.json itself)."""
+    if not str(output).strip():
+        raise ArtifactError("the output path is empty")
+    path = Path(output).resolve()
+    if not path.exists():
+        return path
+    if not path.is_dir():
+        raise ArtifactError(f"output '{path}' exists and is not a directory; choose another output path")
+    if not any(path.iterdir()):
+        return path
+    manifest = _existing_manifest(path)
+    refuse = "refusing to replace it: delete it yourself or choose another output directory"
+    if manifest is None:
+        raise ArtifactError(f"'{path}' exists and is not an fxllm artifact; {refuse}")
+    if manifest.get("kind") != ARTIFACT_KIND:
+        if "format_version" in manifest and "fxllm_version" in manifest:
+            raise ArtifactError(f"'{path}' was written by an older fxllm whose manifest lacks the "
+                                f"\"kind\": \"{ARTIFACT_KIND}\" marker; {refuse}")
+        raise ArtifactError(f"'{path}' holds a {MANIFEST_FILE} that is not an fxllm artifact's; {refuse}")
+    foreign = _unowned_entries(path, manifest)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise ArtifactError(f"'{path}' is an fxllm artifact but also holds '{foreign[0]}'{more}, which its manifest "
+                            f"does not list; {refuse}")
+    return path
+
+
+def _existing_manifest(directory: Path) -> dict[str, Any] | None:
+    """The JSON object in directory/manifest.json, or None when there is none that reads as one."""
+    path = directory / MANIFEST_FILE
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > _MAX_MANIFEST_BYTES:
+            return None
+        manifest = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _unowned_entries(directory: Path, manifest: dict[str, Any]) -> list[str]:
+    """Paths under `directory` (relative, POSIX, sorted) that the manifest does not own. It owns the regular files
+    it lists and manifest.json; never a symlink, a special file or an empty directory (fxllm writes none)."""
+    listed = manifest.get("files")
+    owned = {MANIFEST_FILE} | {name for name in (listed if isinstance(listed, dict) else ()) if isinstance(name, str)}
+    foreign = []
+    for root, folders, files in os.walk(directory, onerror=_raise):  # does not descend into symlinked folders
+        relative = Path(root).relative_to(directory).as_posix()
+        prefix = "" if relative == "." else relative + "/"
+        foreign += [prefix + name for name in folders if os.path.islink(os.path.join(root, name))]
+        foreign += [prefix + name for name in files
+                    if prefix + name not in owned or os.path.islink(os.path.join(root, name))
+                    or not os.path.isfile(os.path.join(root, name))]
+        if not folders and not files:
+            foreign.append(prefix)
+    return sorted(foreign)
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 @contextmanager
 def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory next to `output`; on success it replaces `output`, on failure it vanishes."""
+    """Yield a new, hidden temporary directory next to `output`; when the block succeeds it replaces `output`,
+    when it fails or is interrupted (SIGINT, SIGTERM, SIGHUP: runtime/interruption.py) it vanishes and `output` is
+    left as it was. `output` is checked (check_output) on entry and again just before the swap; the staging
+    directory is created on entry, so an unwritable location fails before any work."""
     output = check_output(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    staging.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; an artifact is as readable as any new directory
+    blocker = next((p for p in reversed(output.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ArtifactError(f"cannot write the output directory '{output}': '{blocker}' is not a directory")
+    with interruptible():
+        staging = None
+        try:
+            with held_back():  # a signal now is raised once `staging` is set, inside this try: it gets cleaned
+                staging = _create_staging(output)
+            yield staging
+            for file in staging.rglob("*"):  # some writers (onnx external data) create files 0600
+                if file.is_file():
+                    file.chmod(0o666 & ~_umask())
+            check_output(output)  # again: the user may have put files there while we compiled
+            with held_back():  # never between the two renames
+                _swap_into_place(staging, output)
+        except BaseException:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def _create_staging(output: Path) -> Path:
     try:
-        yield staging
-        for file in staging.rglob("*"):  # some writers (onnx external data) create files 0600
-            if file.is_file():
-                file.chmod(0o666 & ~_umask())
-        if output.exists():
-            # Move the old artifact aside first, so at every instant `output` is either old or new, never half.
-            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
-            os.replace(output, retired / "artifact")
-            os.replace(staging, output)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    except OSError as exc:
+        raise ArtifactError(f"cannot write the output directory '{output}': {exc.strerror or exc}") from exc
+    staging.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; an artifact is as readable as any new directory
+    return staging
+
+
+def _swap_into_place(staging: Path, output: Path) -> None:
+    if not output.exists():
+        os.replace(staging, output)
+        return
+    # Move the old artifact aside first, so at every instant `output` is either old or new, never half.
+    retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
+    os.replace(output, retired / "artifact")
+    try:
+        os.replace(staging, output)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        os.replace(retired / "artifact", output)
+        shutil.rmtree(retired, ignore_errors=True)
         raise
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def _umask() -> int:
@@ -70,8 +159,12 @@ def _umask() -> int:
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith((MANIFEST_FILE, f".{MANIFEST_FILE}")))
+    """Write directory/manifest.json: the fxllm-artifact marker, the format version, `manifest`, and the sha256 and
+    size of every other file in the directory (a draft's own manifest.json in a subdirectory included)."""
+    own = {MANIFEST_FILE, f".{MANIFEST_FILE}.tmp"}
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and str(p.relative_to(directory)) not in own)
     manifest = {
+        "kind": ARTIFACT_KIND,
         "format_version": FORMAT_VERSION,
         **manifest,
         "files": {str(p.relative_to(directory)): {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},

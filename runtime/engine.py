@@ -18,6 +18,8 @@ from fxllm.runtime.manifest import Manifest, SpeculativePlan, load_manifest
 from fxllm.runtime.backend_ort import OrtBackend
 from fxllm.runtime.detokenizer import IncrementalDetokenizer
 from fxllm.runtime.kv_cache import ContiguousKVCache
+from fxllm.runtime.request_validation import (GenerationRequest, check_engine_options, check_kv_pool, check_prompt,
+                                              check_prompt_ids, check_prompts, check_request)
 from fxllm.runtime.sampler import Sampler, SamplingParams
 from fxllm.runtime.tokenizer import load_tokenizer
 
@@ -87,6 +89,7 @@ class Engine:
         int8 (faster, slightly less exact); default: what the artifact recommends (on for quantized artifacts).
         Artifacts compiled with a draft decode speculatively unless speculative=False; spec_k overrides their k.
         spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs)."""
+        check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
         directory = Path(path)
         manifest = load_manifest(directory, verify=verify)
         if backend == "onnxruntime":
@@ -152,12 +155,7 @@ class Engine:
                 blocks = parse_bytes(self.kv_cache_memory) // block_bytes
             else:
                 blocks = default_num_blocks(block_bytes, self.block_size, self.max_context)
-            if blocks < 1:
-                budget = f"kv_blocks={self.kv_blocks}" if self.kv_blocks is not None else \
-                    f"a KV budget of {self.kv_cache_memory}"
-                raise GenerationError(
-                    f"{budget} holds no KV block: one block of {self.block_size} tokens takes {block_bytes:,} bytes "
-                    "for this model")
+            check_kv_pool(int(blocks), block_bytes, self.kv_blocks, self.kv_cache_memory)  # before allocating
             manager = BlockManager(int(blocks), self.block_size, enable_prefix_caching=self.prefix_caching)
             pool = PagedKVPool(self.num_layers, int(blocks), self.block_size, self.spec.num_kv_heads,
                                self.spec.head_dim)
@@ -169,6 +167,7 @@ class Engine:
         return self.spec.max_positions
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        prompt = check_prompt(prompt)
         if chat:  # the template writes the special tokens itself
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
@@ -179,33 +178,38 @@ class Engine:
     def generate(self, prompts: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
                  chat: bool = False) -> GenerationResult | list[GenerationResult]:
-        """Generate for one prompt (returns one result) or a list of prompts of any lengths (returns a list)."""
-        single = isinstance(prompts, str)
-        texts = [prompts] if single else list(prompts)
-        results = self.generate_ids([self.encode(t, chat) for t in texts], max_new_tokens, temperature, top_k,
-                                    top_p, seed, stop, prompts=texts)
+        """Generate for one prompt (returns one result) or a list of prompts of any lengths (returns a list).
+        Every argument is checked first (runtime/request_validation.py): InvalidArgumentError names a bad one."""
+        texts, single = check_prompts(prompts)
+        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
+        results = self._run([self.encode(t, request.chat) for t in texts], request, texts)
         return results[0] if single else results
 
     def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      stop: str | list[str] | None = None, prompts: list[str] | None = None) -> list[GenerationResult]:
-        """Like generate, from token ids."""
-        sequences = self._new_sequences(prompt_ids, stop, prompts)
-        for _ in self._generate(sequences, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed)):
+        """Like generate, from token ids (ints in [0, vocab_size))."""
+        return self._run(prompt_ids, check_request(max_new_tokens, temperature, top_k, top_p, seed, stop), prompts)
+
+    def _run(self, prompt_ids, request: GenerationRequest, prompts: list[str] | None) -> list[GenerationResult]:
+        sequences = self._new_sequences(check_prompt_ids(prompt_ids, self.spec.vocab_size), request.stop, prompts)
+        for _ in self._generate(sequences, request.max_new_tokens, request.sampling):
             pass
         return [seq.result for seq in sequences]
 
     def stream(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
                chat: bool = False) -> Iterator[str]:
-        """Yield the generated text piece by piece as tokens are decoded."""
-        sequences = self._new_sequences([self.encode(prompt, chat)], stop, [prompt])
-        for _, delta in self._generate(sequences, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed)):
-            if delta:
-                yield delta
+        """Yield the generated text piece by piece as tokens are decoded. The arguments are checked (and the prompt
+        tokenized) when stream() is called, before the first piece is asked for."""
+        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
+        ids = check_prompt_ids([self.encode(prompt, request.chat)], self.spec.vocab_size)
+        sequences = self._new_sequences(ids, request.stop, [prompt])
+        return (delta for _, delta in self._generate(sequences, request.max_new_tokens, request.sampling) if delta)
 
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Logits [T,V] of every position of one sequence, in a single prefill (used by `fxllm eval`)."""
+        token_ids = check_prompt_ids([token_ids], self.spec.vocab_size)[0]
         if not 0 < len(token_ids) <= self.max_context:
             raise GenerationError(f"can score 1 to {self.max_context} tokens at once, got {len(token_ids)}")
         if self.paged:

@@ -7,30 +7,55 @@ from dataclasses import dataclass
 import numpy as np
 
 from fxllm.errors import GenerationError
+from fxllm.runtime.checks import integer, real
+
+# Temperatures in (0, MIN_TEMPERATURE) sample greedily (argmax). As the temperature falls the distribution
+# concentrates on the argmax; at 1e-5 a logit gap of 1e-3 is already a probability ratio of e^100, so below it
+# sampling is greedy in all but name, and dividing by still smaller values overflows float64 (at ~1e-300) into
+# NaN probabilities. So: 0 and anything below 1e-5 mean greedy, documented, never an overflow.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 → greedy
-    top_k: int = 0  # 0 → no limit
+    """temperature: 0 (or below MIN_TEMPERATURE) → greedy; otherwise a finite number. top_k: an int >= 0, 0 → no
+    limit. top_p: a finite number in (0, 1]. seed: None or an int >= 0 (numpy's range). Construction checks types
+    and ranges (InvalidArgumentError naming the parameter) and stores plain Python int/float values."""
+
+    temperature: float = 0.0
+    top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise GenerationError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "temperature", real("temperature", self.temperature, minimum=0.0))
+        object.__setattr__(self, "top_k", integer("top_k", self.top_k, minimum=0))
+        object.__setattr__(self, "top_p", real("top_p", self.top_p, above=0.0, maximum=1.0))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", integer("seed", self.seed, minimum=0))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
+
+
+def checked_logits(logits: np.ndarray) -> np.ndarray:
+    """logits [B,V], refused when a row holds NaN or +inf or no finite value: a broken model must fail loudly
+    rather than sample token 0 forever. -inf is allowed (a masked token)."""
+    if np.isnan(logits).any() or np.isposinf(logits).any() or not np.isfinite(logits).any(-1).all():
+        raise GenerationError("the model produced non-finite logits (NaN or inf); the artifact's numerics are broken "
+                              "(check it with `fxllm eval`, or recompile it)")
+    return logits
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution sampling draws from, rows of [B,V]: temperature, then top-k, then top-p, renormalized."""
+    """The distribution sampling draws from, rows of [B,V]: temperature, then top-k, then top-p, renormalized
+    (float64). Greedy params give the one-hot argmax. Never returns non-finite probabilities: it raises instead."""
+    logits = checked_logits(logits)
+    if params.greedy:
+        probs = np.zeros(logits.shape, dtype=np.float64)
+        probs[np.arange(logits.shape[0]), logits.argmax(-1)] = 1.0
+        return probs
     scaled = logits.astype(np.float64) / params.temperature
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -params.top_k, axis=-1)[:, -params.top_k][:, None]
@@ -46,6 +71,8 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         np.put_along_axis(drop, order, drop_sorted, -1)
         probs = np.where(drop, 0.0, probs)
         probs /= probs.sum(-1, keepdims=True)
+    if not np.isfinite(probs).all():  # unreachable for finite logits and checked params; a guard, not a branch
+        raise GenerationError(f"sampling produced non-finite probabilities ({params})")
     return probs
 
 
@@ -60,9 +87,12 @@ class Sampler:
     def __call__(self, logits: np.ndarray, sequence_of_row: list[int] | None = None) -> np.ndarray:
         """logits [B,V] → token ids [B]; row i belongs to sequence sequence_of_row[i] (default: row i)."""
         if self.params.greedy:
-            return logits.argmax(-1)
+            return checked_logits(logits).argmax(-1)
         rows = sequence_of_row if sequence_of_row is not None else list(range(logits.shape[0]))
         probs = probabilities(logits, self.params)
         cumulative = np.cumsum(probs, -1)
         draws = np.array([[self.rngs[i].random()] for i in rows]) * cumulative[:, -1:]
-        return np.minimum((cumulative < draws).sum(-1), probs.shape[-1] - 1)
+        # The first token whose cumulative mass exceeds the draw: a token of probability 0 is never chosen, even for
+        # a draw of exactly 0 or one that rounding puts at the total.
+        last_possible = probs.shape[-1] - 1 - (probs[:, ::-1] > 0).argmax(-1)
+        return np.minimum((cumulative <= draws).sum(-1), last_possible)

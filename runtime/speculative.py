@@ -25,16 +25,10 @@ _RESIDUAL_EPS = 1e-12
 def processed_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """logits [..., V] → float64 probabilities [..., V]: temperature, then top-k, then top-p, renormalized — the same
     processing as the sampler (sampler.probabilities). Draft and target must both go through it with the same
-    settings; temperature 0 (greedy) gives the one-hot argmax."""
+    settings; greedy (temperature 0 or below sampler.MIN_TEMPERATURE) gives the one-hot argmax."""
     logits = np.asarray(logits)
-    SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # validates the settings
     rows = logits.reshape(-1, logits.shape[-1])
-    if temperature == 0:
-        probs = np.zeros(rows.shape, dtype=np.float64)
-        probs[np.arange(rows.shape[0]), rows.argmax(-1)] = 1.0
-    else:
-        probs = probabilities(rows, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
-    return probs.reshape(logits.shape)
+    return probabilities(rows, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)).reshape(logits.shape)
 
 
 def one_hot_probs(tokens: list[int] | np.ndarray, vocab_size: int) -> np.ndarray:

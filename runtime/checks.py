@@ -1,0 +1,76 @@
+"""Type and range checks of single user-supplied values. Each returns the value as a plain Python int/float/str
+(numpy scalars included) or raises InvalidArgumentError naming the parameter. bool is never accepted where a
+number is expected: `max_new_tokens=True` is a mistake, not one token. `name` is what the message calls the value
+(e.g. "prompt_ids[0][3]"); `param`, when given, the argument it belongs to (default: `name`)."""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Any
+
+from fxllm.errors import InvalidArgumentError
+
+
+def short(value: Any) -> str:
+    """repr(value), cut to 60 characters: an error message stays one readable line whatever the value."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def describe(value: Any) -> str:
+    """A bad value's type and short repr, for an error message."""
+    return f"{type(value).__name__} {short(value)}"
+
+
+def integer(name: str, value: Any, minimum: int | None = None, maximum: int | None = None, *,
+            param: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise InvalidArgumentError(param or name, f"{name} must be an integer, got {describe(value)}")
+    value = int(value)
+    _check_range(name, param or name, value, minimum, maximum)
+    return value
+
+
+def real(param: str, value: Any, minimum: float | None = None, maximum: float | None = None,
+         above: float | None = None) -> float:
+    """A finite number (int or float); `above` is an exclusive lower bound."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise InvalidArgumentError(param, f"{param} must be a number, got {describe(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidArgumentError(param, f"{param} must be a finite number, got {short(value)}")
+    if above is not None and not number > above:
+        raise InvalidArgumentError(param, f"{param} must be > {above:g}, got {number:g}")
+    _check_range(param, param, number, minimum, maximum)
+    return number
+
+
+def flag(param: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(param, f"{param} must be True or False, got {describe(value)}")
+    return value
+
+
+def text(name: str, value: Any, *, param: str | None = None) -> str:
+    """A str that is valid Unicode: no lone surrogates (what Python makes of command-line bytes that are not UTF-8),
+    which no tokenizer can encode."""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(param or name, f"{name} must be a string, got {describe(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(param or name, f"{name} is not valid Unicode: a lone surrogate {value[exc.start]!r} "
+                                                  f"at character {exc.start} (on the command line: bytes that are not "
+                                                  "UTF-8)") from None
+    return value
+
+
+def _check_range(name: str, param: str, value: float, minimum: float | None, maximum: float | None) -> None:
+    if minimum is not None and value < minimum:
+        raise InvalidArgumentError(param, f"{name} must be >= {minimum:g}, got {short(value)}")
+    if maximum is not None and value > maximum:
+        raise InvalidArgumentError(param, f"{name} must be <= {maximum:g}, got {short(value)}")

@@ -1,0 +1,79 @@
+"""Interruptions while an artifact is written. Inside `interruptible()`, SIGINT, SIGTERM and SIGHUP raise Interrupted,
+so the staging directory's cleanup runs on the way out: SIGTERM's and SIGHUP's default action would end the process
+on the spot and leave the hidden staging directory behind. `held_back()` marks a few steps that must not be cut in
+two (creating the staging directory, the two renames of the swap): a signal during them is raised right after."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fxllm.errors import Interrupted
+
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class _Guard:
+    """The state of the active interruptible block: the handler raises once; while held back it only records."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self.holding = False
+        self.pending: int | None = None
+
+    def handle(self, signum: int, frame) -> None:
+        if self.fired:
+            return  # the first signal's exception is unwinding: let its cleanup finish
+        if self.holding:
+            self.pending = self.pending or signum
+            return
+        self.fired = True
+        raise Interrupted(signum)
+
+
+_guard: _Guard | None = None  # the active block's (main thread only; a nested block keeps the outer one)
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """While the block runs, the first of SIGINT/SIGTERM/SIGHUP raises Interrupted(signum) in it; later ones are
+    ignored so that the cleanup the exception triggers can finish. The previous handlers come back on exit. Signals
+    the process ignores (e.g. SIGHUP under nohup) stay ignored. Only the main thread can take signals in Python;
+    elsewhere, and inside an enclosing interruptible block, this does nothing."""
+    global _guard
+    if _guard is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    guard = _Guard()
+    previous = {}
+    _guard = guard
+    try:
+        for number in SIGNALS:
+            handler = signal.getsignal(number)
+            if handler is not None and handler is not signal.SIG_IGN:  # None: set outside Python, not restorable
+                previous[number] = signal.signal(number, guard.handle)
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        _guard = None
+
+
+@contextmanager
+def held_back() -> Iterator[None]:
+    """Inside an interruptible block: a signal that arrives while this block runs is raised as Interrupted when it
+    ends (unless the block itself failed). Outside one: nothing to hold back."""
+    guard = _guard
+    if guard is None or guard.holding:
+        yield
+        return
+    guard.holding = True
+    try:
+        yield
+    finally:
+        guard.holding = False
+    if guard.pending is not None and not guard.fired:
+        guard.fired = True
+        raise Interrupted(guard.pending)

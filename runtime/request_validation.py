@@ -1,0 +1,157 @@
+"""Checks of a generation request's arguments (and of an engine's load options), shared by the Python API, the CLI
+and the HTTP server: every value of the wrong type or out of range becomes an InvalidArgumentError (a
+GenerationError) that names the parameter, before any tokenization or model work. Sampling settings are checked
+by SamplingParams itself (runtime/sampler.py); this module adds the request-level rest."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fxllm.errors import GenerationError, InvalidArgumentError
+from fxllm.runtime.checks import describe, flag, integer, text
+from fxllm.runtime.sampler import SamplingParams
+
+MAX_THREADS = 1024  # more intra-op threads than this is a typo, not a machine
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request's checked settings (the prompts are checked separately: they come as text or as token ids)."""
+
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    chat: bool = False
+
+
+def check_request(max_new_tokens: Any = 64, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+                  seed: Any = None, stop: Any = None, chat: Any = False) -> GenerationRequest:
+    """Engine.generate / generate_ids / stream's keyword arguments → a GenerationRequest. max_new_tokens: an int
+    >= 1; stop: None, a string or an iterable of strings; chat: a bool; the rest as SamplingParams."""
+    return GenerationRequest(integer("max_new_tokens", max_new_tokens, minimum=1),
+                             SamplingParams(temperature, top_k, top_p, seed), _stop_strings(stop), flag("chat", chat))
+
+
+def check_prompt(prompt: Any) -> str:
+    """One text prompt: a valid-Unicode str (it may be empty: the engine then reports an empty tokenization)."""
+    return text("prompt", prompt)
+
+
+def check_prompts(prompts: Any) -> tuple[list[str], bool]:
+    """generate()'s prompts → (list of prompts, whether a single str was given)."""
+    if isinstance(prompts, str):
+        return [check_prompt(prompts)], True
+    if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
+        raise InvalidArgumentError("prompts", f"prompts must be a string or a list of strings, got {describe(prompts)}")
+    texts = [text(f"prompts[{i}]", prompt, param="prompts") for i, prompt in enumerate(prompts)]
+    if not texts:
+        raise InvalidArgumentError("prompts", "no prompts given")
+    return texts, False
+
+
+def check_prompt_ids(prompt_ids: Any, vocab_size: int) -> list[list[int]]:
+    """generate_ids()'s prompts: a non-empty iterable of token-id sequences, every id an int in [0, vocab_size)
+    (ONNX Runtime would index the embedding table with anything else, or fail with its own message)."""
+    if isinstance(prompt_ids, (str, bytes, Mapping)) or not isinstance(prompt_ids, Iterable):
+        raise InvalidArgumentError("prompt_ids",
+                                   f"prompt_ids must be a list of token-id lists, got {describe(prompt_ids)}")
+    rows = []
+    for i, row in enumerate(prompt_ids):
+        if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Iterable):
+            raise InvalidArgumentError("prompt_ids",
+                                       f"prompt_ids[{i}] must be a list of token ids, got {describe(row)}")
+        ids = [integer(f"prompt_ids[{i}][{j}]", token, param="prompt_ids") for j, token in enumerate(row)]
+        bad = next((j for j, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+        if bad is not None:
+            raise InvalidArgumentError("prompt_ids", f"prompt_ids[{i}][{bad}] = {ids[bad]} is not a token id of this "
+                                                     f"model (0 to {vocab_size - 1})")
+        rows.append(ids)
+    if not rows:
+        raise InvalidArgumentError("prompt_ids", "no prompts given")
+    return rows
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (text("stop", stop),)
+    if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Iterable):
+        raise InvalidArgumentError("stop", f"stop must be a string or a list of strings, got {describe(stop)}")
+    return tuple(text(f"stop[{i}]", s, param="stop") for i, s in enumerate(stop))
+
+
+# -- engine options ---------------------------------------------------------------------------------------------
+
+def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_memory: Any = None,
+                         max_batch: Any = 64, max_tokens_per_step: Any = 512, spec_k: Any = None) -> None:
+    """Engine.load's numeric options: threads None or 1..MAX_THREADS; kv_blocks None or >= 1; kv_cache_memory
+    None, an int of bytes or a size string ("256MB"); max_batch, max_tokens_per_step >= 1; spec_k None or an int
+    (its range is the artifact's business)."""
+    if threads is not None:
+        integer("threads", threads, minimum=1, maximum=MAX_THREADS)
+    if kv_blocks is not None:
+        integer("kv_blocks", kv_blocks, minimum=1)
+    if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool)
+                                        or not isinstance(kv_cache_memory, (int, str))):
+        raise InvalidArgumentError("kv_cache_memory", "kv_cache_memory must be a number of bytes or a size such as "
+                                                      f"'256MB', got {describe(kv_cache_memory)}")
+    integer("max_batch", max_batch, minimum=1)
+    integer("max_tokens_per_step", max_tokens_per_step, minimum=1)
+    if spec_k is not None:
+        integer("spec_k", spec_k)
+
+
+def check_kv_pool(blocks: int, block_bytes: int, kv_blocks: int | None, kv_cache_memory: int | str | None) -> int:
+    """The paged KV pool's size in blocks, refused before anything is allocated when it holds no block or needs
+    more memory than this machine has available."""
+    if kv_blocks is not None:
+        asked = f"kv_blocks={kv_blocks}"
+    elif kv_cache_memory is not None:
+        asked = f"a KV budget of {kv_cache_memory}"
+    else:
+        asked = "the default KV budget"
+    if blocks < 1:
+        raise GenerationError(f"{asked} holds no KV block: one block takes {block_bytes:,} bytes for this model")
+    needed = blocks * block_bytes
+    available = available_memory()
+    if available is not None and needed > available:
+        raise GenerationError(f"{asked} needs {_size(needed)} for the KV pool ({blocks:,} blocks of {block_bytes:,} "
+                              f"bytes), more than the {_size(available)} of memory available; ask for fewer blocks "
+                              "(kv_blocks, --kv-blocks) or a smaller budget (kv_cache_memory, --kv-cache-memory)")
+    return blocks
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: the kernel's MemAvailable, lowered to the cgroup's remaining limit
+    inside a container; None where neither can be read."""
+    limits = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            limits.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    if not limits and hasattr(os, "sysconf"):
+        try:
+            limits.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError):
+            pass
+    return max(0, min(limits)) if limits else None
+
+
+def _size(nbytes: float) -> str:
+    exponent = min(int(math.log(max(nbytes, 1), 1024)), 5)
+    return f"{nbytes / 1024 ** exponent:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'][exponent]}"

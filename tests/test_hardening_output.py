@@ -1,0 +1,309 @@
+"""Hardening of `fxllm compile`'s output (issue #16 items 1, 6, 7): an output directory is replaced only when it is an
+fxllm artifact by its own manifest's marker and holds nothing else; an unwritable output fails before the compile
+work; an interruption (SIGTERM, SIGHUP, SIGINT) removes the staging directory and leaves the output as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fxllm.cli import main
+from fxllm.errors import ArtifactError
+from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
+
+# Only names the code before issue #16 already had are imported at module level: run against that code, every
+# regression test here fails on its own assertion rather than on an import.
+ARTIFACT_KIND = "fxllm-artifact"
+MANIFEST = "manifest.json"
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code: int, err: str, pattern: str) -> None:
+    assert code == 1, (code, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fxllm: error: "), err
+    assert pattern in lines[0], lines[0]
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def hidden_entries(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+@pytest.fixture
+def artifact_copy(make_tiny_artifact, tmp_path) -> Path:
+    """A private copy of the tiny llama artifact (compiled by this fxllm: it carries the marker)."""
+    copy = tmp_path / "artifact"
+    shutil.copytree(make_tiny_artifact("llama"), copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def broken_model(make_tiny_model, tmp_path_factory) -> Path:
+    """The tiny llama's directory with its weights replaced by garbage: resolving it and reading its config work,
+    loading it fails. A compile that reports an output problem with this model found it before loading."""
+    directory = tmp_path_factory.mktemp("broken-model")
+    shutil.copytree(make_tiny_model("llama"), directory, dirs_exist_ok=True)
+    for weights in directory.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    return directory
+
+
+# -- 1: data loss -------------------------------------------------------------------------------------------------
+
+def test_directory_with_a_foreign_manifest_is_not_replaced(capsys, tmp_path, make_tiny_model):
+    """The issue's reproduction: a web app's directory with a manifest.json must survive `fxllm compile -o app`."""
+    app = tmp_path / "app"
+    (app / "src").mkdir(parents=True)
+    (app / MANIFEST).write_text('{"name": "x"}')
+    (app / "src" / "a.js").write_text("x")
+    before = snapshot(app)
+    code, _, err = run_cli(capsys, "compile", str(make_tiny_model("llama")), "-o", str(app))
+    assert_one_line_error(code, err, "is not an fxllm artifact's; refusing to replace it")
+    assert snapshot(app) == before
+    assert hidden_entries(tmp_path) == []
+
+
+def test_artifact_holding_a_user_file_is_not_replaced(capsys, artifact_copy, broken_model):
+    (artifact_copy / "tokenizer" / "notes.txt").write_text("mine")
+    before = snapshot(artifact_copy)
+    code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(artifact_copy))
+    assert_one_line_error(code, err, "also holds 'tokenizer/notes.txt', which its manifest does not list")
+    assert snapshot(artifact_copy) == before
+
+
+@pytest.mark.parametrize("extra", ["empty-directory", "symlink", "nested-manifest"])
+def test_anything_the_manifest_does_not_own_blocks_replacement(artifact_copy, tmp_path, extra):
+    if extra == "empty-directory":
+        (artifact_copy / "logs").mkdir()
+        expected = "logs/"
+    elif extra == "symlink":
+        (tmp_path / "elsewhere.txt").write_text("mine")
+        (artifact_copy / "link.txt").symlink_to(tmp_path / "elsewhere.txt")
+        expected = "link.txt"
+    else:
+        (artifact_copy / "web").mkdir()
+        (artifact_copy / "web" / MANIFEST).write_text("{}")
+        expected = "web/manifest.json"
+    with pytest.raises(ArtifactError, match=f"also holds '{expected}'"):
+        check_output(artifact_copy)
+
+
+def test_artifact_without_the_marker_is_refused_with_advice(capsys, artifact_copy, broken_model):
+    """An artifact written before the marker existed: refused, and told how to proceed."""
+    manifest = json.loads((artifact_copy / MANIFEST).read_text())
+    del manifest["kind"]
+    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    before = snapshot(artifact_copy)
+    code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(artifact_copy))
+    assert_one_line_error(code, err, "was written by an older fxllm whose manifest lacks the \"kind\": "
+                                     "\"fxllm-artifact\" marker; refusing to replace it: delete it yourself or choose "
+                                     "another output directory")
+    assert snapshot(artifact_copy) == before
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe{", b"[1, 2]", b"not json", b""])
+def test_unreadable_manifest_means_not_an_artifact(artifact_copy, content):
+    (artifact_copy / MANIFEST).write_bytes(content)
+    with pytest.raises(ArtifactError, match="not an fxllm artifact"):
+        check_output(artifact_copy)
+
+
+def test_marker_is_written_and_an_owned_artifact_is_replaced(artifact_copy):
+    """write_manifest marks the artifact; a marked artifact holding only its own files is replaced whole."""
+    assert json.loads((artifact_copy / MANIFEST).read_text())["kind"] == ARTIFACT_KIND
+    assert check_output(artifact_copy) == artifact_copy.resolve()
+    with staging_directory(artifact_copy) as stage:
+        (stage / "draft").mkdir()
+        (stage / "draft" / MANIFEST).write_text("{}")  # a nested manifest (a draft's) is listed like any file
+        (stage / "model.onnx").write_bytes(b"new")
+        write_manifest(stage, {"fxllm_version": "test"})
+    manifest = json.loads((artifact_copy / MANIFEST).read_text())
+    assert manifest["kind"] == ARTIFACT_KIND and set(manifest["files"]) == {"model.onnx", "draft/manifest.json"}
+    assert sorted(p.name for p in artifact_copy.iterdir()) == ["draft", MANIFEST, "model.onnx"]
+    check_output(artifact_copy)  # the new artifact is itself replaceable
+    assert hidden_entries(artifact_copy.parent) == []
+
+
+def test_file_added_during_the_compile_stops_the_swap(artifact_copy):
+    """The check runs again just before the swap: a file the user put into the output meanwhile is kept."""
+    before = snapshot(artifact_copy)
+    with pytest.raises(ArtifactError, match="also holds 'added-meanwhile.txt'"):
+        with staging_directory(artifact_copy) as stage:
+            (stage / "model.onnx").write_bytes(b"new")
+            write_manifest(stage, {"fxllm_version": "test"})
+            (artifact_copy / "added-meanwhile.txt").write_text("mine")
+    assert snapshot(artifact_copy) == {**before, "added-meanwhile.txt": b"mine"}
+    assert hidden_entries(artifact_copy.parent) == []
+
+
+# -- 6: unwritable output, found before the work ----------------------------------------------------------------
+
+def test_output_below_a_file_fails_before_loading(capsys, tmp_path, broken_model):
+    (tmp_path / "file.txt").write_text("x")
+    code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(tmp_path / "file.txt" / "out"))
+    assert_one_line_error(code, err, f"'{tmp_path / 'file.txt'}' is not a directory")
+
+
+def test_empty_output_path_is_refused(capsys, broken_model):
+    code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", "")
+    assert_one_line_error(code, err, "the output path is empty")
+
+
+def _unwritable_directory(tmp_path: Path) -> Path:
+    """A directory this process cannot create entries in: tmp_path/read-only (mode 0555), or /sys for root."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    if not _can_create_in(directory):
+        return directory
+    if Path("/sys").is_dir() and not _can_create_in(Path("/sys")):
+        return Path("/sys")
+    pytest.skip("no unwritable directory available to this user")
+
+
+def _can_create_in(directory: Path) -> bool:
+    probe = directory / f".fxllm-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except OSError:
+        return False
+    probe.rmdir()
+    return True
+
+
+def test_unwritable_output_directory_fails_before_loading(capsys, tmp_path, broken_model):
+    parent = _unwritable_directory(tmp_path)
+    try:
+        code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(parent / "fxllm-out"))
+    finally:
+        (tmp_path / "read-only").chmod(0o755)
+    assert_one_line_error(code, err, f"cannot write the output directory '{parent / 'fxllm-out'}'")
+
+
+def test_unwritable_dump_directory_is_a_user_error_before_loading(capsys, tmp_path, broken_model):
+    """An OSError on a user's path (permission) is exit status 1, one line: the CLI's policy for such errors."""
+    parent = _unwritable_directory(tmp_path)
+    try:
+        code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(tmp_path / "out"),
+                               "--dump-dir", str(parent / "fxllm-dumps"))
+    finally:
+        (tmp_path / "read-only").chmod(0o755)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("fxllm: error: ") and f"'{parent / 'fxllm-dumps'}'" in err
+    assert not (tmp_path / "out").exists() and hidden_entries(tmp_path) == []
+
+
+def test_dump_directory_inside_the_output_is_refused(capsys, tmp_path, broken_model):
+    code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(tmp_path / "out"),
+                           "--dump-dir", str(tmp_path / "out" / "dumps"))
+    assert_one_line_error(code, err, "is inside the output directory, which the compile replaces")
+    assert not (tmp_path / "out").exists()
+
+
+# -- 7: interruptions -------------------------------------------------------------------------------------------
+
+def test_signals_during_lowering_remove_the_staging_directory(tmp_path, make_tiny_model, make_tiny_artifact):
+    """Real `fxllm compile` subprocesses (one per signal, run side by side), each signalled once it reports the
+    lowering phase: exit status 128 + N, one line on stderr and no traceback, no staging directory left, and the
+    artifact that was at the output path untouched."""
+    runs = {signum: tmp_path / signum.name for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    for parent in runs.values():
+        shutil.copytree(make_tiny_artifact("llama"), parent / "artifact")
+    before = snapshot(runs[signal.SIGTERM] / "artifact")
+    results = {}
+    threads = [threading.Thread(target=_compile_and_signal, args=(make_tiny_model("llama"), parent / "artifact",
+                                                                  signum, results)) for signum, parent in runs.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for signum, parent in runs.items():
+        reached_lowering, code, stderr = results[signum]
+        assert reached_lowering, stderr
+        assert code == 128 + signum, (signum, code, stderr)
+        assert stderr.strip().splitlines()[-1] == f"fxllm: interrupted ({signum.name})", stderr
+        assert "Traceback" not in stderr
+        assert hidden_entries(parent) == [], signum
+        assert snapshot(parent / "artifact") == before
+
+
+def _compile_and_signal(model: Path, output: Path, signum: int, results: dict) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "FXLLM_QUIET"}  # the phase lines are what we wait for
+    process = subprocess.Popen([str(Path(sys.executable).parent / "fxllm"), "compile", str(model), "-o", str(output)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    lines, reached = [], False
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if line.startswith("lowering"):
+                reached = True
+                time.sleep(0.5)  # well inside torch.onnx.export
+                process.send_signal(signum)
+                break
+        lines.append(process.stderr.read())
+        results[signum] = (reached, process.wait(timeout=300), "".join(lines))
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_interruptible_restores_the_previous_handlers():
+    from fxllm.errors import Interrupted
+    from fxllm.runtime.interruption import interruptible
+
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGTERM, mine)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with pytest.raises(Interrupted) as caught:
+            with interruptible():
+                os.kill(os.getpid(), signal.SIGHUP)  # ignored before: stays ignored
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises at the next bytecode; never reached
+        assert caught.value.signum == signal.SIGTERM and isinstance(caught.value, KeyboardInterrupt)
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def test_a_signal_during_held_back_steps_is_raised_right_after_them():
+    """The staging directory's creation and the swap's two renames are never cut in two by a signal."""
+    from fxllm.errors import Interrupted
+    from fxllm.runtime.interruption import held_back, interruptible
+
+    steps = []
+    with pytest.raises(Interrupted) as caught:
+        with interruptible():
+            with held_back():
+                os.kill(os.getpid(), signal.SIGTERM)
+                sum(range(100_000))  # many bytecode boundaries: the handler runs here, and only records the signal
+                steps.append("held back")
+            steps.append("after")  # not reached
+    assert steps == ["held back"] and caught.value.signum == signal.SIGTERM
