@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--llamacpp", action="append", default=[], metavar="GGUF",
                         help="also measure this GGUF file with llama.cpp (llama-cpp-python, in the venv that "
                              "benchmarks/llamacpp_baseline.py setup builds; repeatable)")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="quantized fxllm rows: int8 matmul activations (MatMulNBits accuracy level 4, what "
+                             "onnxruntime-genai's int4 CPU models use: like for like with --ortgenai); default: what "
+                             "each artifact recommends (float activations unless compiled with --int8-activations)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     return parser
 
@@ -281,9 +285,9 @@ def repeated(system: str, run_once: Callable[[], Run], repeats: int) -> Measurem
     )
 
 
-def fxllm_runner(variant: Variant, threads: int) -> Runner:
+def fxllm_runner(variant: Variant, threads: int, int8_activations: bool | None) -> Runner:
     """Load the variant's engine once; the runner measures it on any workload."""
-    engine = fxllm.load(variant.artifact, threads=threads)
+    engine = fxllm.load(variant.artifact, threads=threads, int8_activations=int8_activations)
     # With no EOS ids the engine never stops early, so every run decodes exactly new_tokens tokens.
     engine.eos_token_ids = set()
 
@@ -497,7 +501,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                  for context in args.contexts]
     for work in workloads:
         check_fits(work, variants, parser)
-    runners = [fxllm_runner(variant, args.threads) for variant in variants]
+    runners = [fxllm_runner(variant, args.threads, True if args.int8_activations else None) for variant in variants]
     runners += [ortgenai_runner(variant, args.ortgenai_python, args.threads) for variant in args.ortgenai]
     runners += [llamacpp_runner(Path(path), args.threads) for path in args.llamacpp]
     if not args.skip_transformers:

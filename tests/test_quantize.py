@@ -195,6 +195,8 @@ def test_quantized_artifact_form_and_generation(method, bits, make_tiny_model, c
     consumers = {name: n.op_type for n in model.graph.node for name in n.input}
     assert {consumers[n.output[0]] for n in dq} == {"MatMul"}
     assert audit_file(artifact) == []
+    # float activations unless compiled with int8_activations=True: the default runs the drift report's math
+    assert json.loads((artifact / "manifest.json").read_text())["runtime"] == {"int8_activations": False}
     results = fxllm.load(artifact).generate(["The quick brown fox", "Paris is"], max_new_tokens=8)
     assert all(len(r.token_ids) == 8 for r in results)
 
