@@ -10,7 +10,6 @@ keeps serving the others.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -249,7 +248,7 @@ class EngineCore:
         return RequestOutput(request.request_id, new_ids, delta, request.finished, request.finish_reason,
                              request.stop_reason, request.prompt_token_ids, len(request.prompt_token_ids),
                              len(request.output_token_ids), logprobs, prompt_logprobs, request.error,
-                             dataclasses.replace(request.metrics))
+                             request.metrics.snapshot())
 
     # -- helpers ----------------------------------------------------------------------------------------------------
 

@@ -20,6 +20,12 @@ class RequestMetrics:
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     preemptions: int = 0
 
+    def snapshot(self) -> RequestMetrics:
+        """A copy that later steps do not change (what an output carries)."""
+        copy = object.__new__(RequestMetrics)
+        copy.__dict__.update(self.__dict__)
+        return copy
+
     @property
     def time_to_first_token_ms(self) -> float | None:
         return None if self.first_token_time is None else (self.first_token_time - self.arrival_time) * 1e3
