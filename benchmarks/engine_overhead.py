@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = fxllm.load(args.artifact, threads=args.threads)
     engine.eos_token_ids = set()
-    ids = list(engine.tokenizer(PROMPT)["input_ids"])
+    ids = engine.encode(PROMPT)
     batch = [ids[: len(ids) - i] for i in range(args.batch)]  # distinct lengths
     timed(engine, [ids], args.new_tokens)  # warm-up
     timed(engine, batch, args.new_tokens)

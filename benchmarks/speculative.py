@@ -215,8 +215,8 @@ def measure_set(rows: list[Row], engines: dict[str, Any], prompts: list[list[int
                 tally.proposed += metrics.proposed
                 tally.accepted += metrics.accepted
                 tally.target_calls += metrics.target_calls
-                tally.draft_s += metrics.draft_s
-                tally.verify_s += metrics.verify_s
+                tally.draft_s += metrics.draft_time_s
+                tally.verify_s += metrics.verify_time_s
         summary = "  ".join(f"{row.name} {len(best[row.name][1]) / best[row.name][0]:.1f}" for row in rows)
         print(f"  prompt {number}/{len(prompts)} ({len(ids)} tokens), tokens/s: {summary}", flush=True)
     return tallies

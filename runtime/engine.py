@@ -159,6 +159,8 @@ class Engine:
 
     def capacity_tokens(self) -> int:
         """Tokens the KV pool can hold (paged artifacts)."""
+        if not self.paged:
+            raise GenerationError("this artifact has a contiguous KV cache, not a pool; compile with `paged`")
         return self.core.scheduler.manager.capacity_tokens
 
     def batcher(self) -> PagedScheduler | StaticBatchScheduler:

@@ -55,7 +55,7 @@ class EngineCore:
         self.eos_token_ids = set(eos_token_ids)
         self.max_context = max_context
         self.vocab_size = vocab_size
-        self.encode = encode or (lambda text: list(tokenizer(text)["input_ids"]))
+        self.encode = encode or (lambda text: list(tokenizer.encode(text)))
         self.speculator = speculator
         self._requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step

@@ -40,30 +40,43 @@ class RequestMetrics:
         return None if self.finished_time is None else (self.finished_time - self.arrival_time) * 1e3
 
 
-@dataclass(frozen=True)
-class SpeculativeMetrics:
-    """Speculative decoding counters (artifacts compiled with a draft)."""
+@dataclass
+class SpeculativeStats:
+    """Counters over a generation: draft tokens proposed and accepted, target (verification) calls, and time spent."""
 
-    mode: str
-    k: int
-    proposed: int
-    accepted: int
-    target_calls: int
-    draft_s: float
-    verify_s: float
+    proposed: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Count one verification call that checked `proposed` draft tokens and accepted `accepted` of them."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.target_calls += 1
 
     @property
     def acceptance_rate(self) -> float:
+        """Fraction of proposed draft tokens accepted (0 when none were proposed)."""
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
     def tokens_per_target_call(self) -> float:
-        """Each verification call emits its accepted drafts plus one token of the target's own."""
+        """Tokens emitted per target call: each call emits its accepted drafts plus one target token."""
         return (self.accepted + self.target_calls) / self.target_calls if self.target_calls else 0.0
 
+
+@dataclass
+class SpeculativeMetrics(SpeculativeStats):
+    """Speculative decoding counters (artifacts compiled with a draft), with the draft mode and k."""
+
+    mode: str = ""
+    k: int = 0
+
     def since(self, earlier: SpeculativeMetrics) -> SpeculativeMetrics:
-        return replace(self, **{name: getattr(self, name) - getattr(earlier, name)
-                                for name in ("proposed", "accepted", "target_calls", "draft_s", "verify_s")})
+        return replace(self, **{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                                for f in fields(SpeculativeStats)})
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,8 @@ class SpeculativeDecoder:
         self._states: dict[int, _State] = {}
 
     def metrics(self) -> SpeculativeMetrics:
-        s = self.stats
-        return SpeculativeMetrics(self.mode, self.k, s.proposed, s.accepted, s.target_calls, s.draft_time_s,
-                                  s.verify_time_s)
+        """The counters since load, a copy."""
+        return SpeculativeMetrics(**vars(self.stats), mode=self.mode, k=self.k)
 
     def execute(self, batch: ScheduledBatch) -> list[SampledTokens]:
         run = self._prefill if batch.kind == PREFILL else self._round
