@@ -11,6 +11,7 @@ that stops waiting (a closed stream) aborts its request, which frees its KV bloc
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from fxllm.runtime.engine_core import EngineCore
 from fxllm.runtime.request import Request, RequestOutput, SamplingParams
 
 Sink = Callable[[RequestOutput], None]
+logger = logging.getLogger("fxllm.engine")
 
 
 class CoreDriver:
@@ -61,12 +63,22 @@ class CoreDriver:
             return list(self._sinks)
 
     def fail_all(self, message: str) -> None:
-        """End every unfinished request with finish_reason "error" (after a step raised: a bug, not a model call)."""
+        """End every unfinished request with finish_reason "error" (after a step raised: a bug, not a failing model
+        call, which the core handles itself). Each sink gets its final output even if the core is broken."""
         with self._step_lock:
             self._apply_pending()
-            for request_id in self.unfinished_ids():
-                self.core.abort(request_id, error=message)
-            self.step_locked()  # delivers their final outputs
+            with self._lock:
+                sinks, self._sinks = self._sinks, {}
+            for request_id, sink in sinks.items():
+                try:
+                    self.core.abort(request_id, error=message)
+                except Exception:  # the core is broken; the caller still learns its request failed
+                    logger.exception("could not abort %r", request_id)
+                sink(RequestOutput(request_id, [], "", True, "error", error=message))
+            try:
+                self.core.step()  # takes the aborts' outputs (nobody listens any more); no request is left to run
+            except Exception:
+                logger.exception("the engine core cannot step after failing its requests")
 
     def has_work(self) -> bool:
         return bool(self._pending) or self.core.has_unfinished()

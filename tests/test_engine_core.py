@@ -263,10 +263,22 @@ def test_async_engine_keeps_serving_after_a_failing_call(paged_artifact, alone):
         failing.arm(2)  # the first decode of two or more requests fails
         first = await asyncio.gather(*(client(i) for i in range(4)))
         after = await client(4)
-        await server.shutdown(drain_timeout=1.0)
-        return first, after
+        update = engine.core.scheduler.update
 
-    first, after = asyncio.run(main())
+        def broken_update(batch):  # a bug inside a step (not a model call): every unfinished request fails
+            engine.core.scheduler.update = update
+            raise AssertionError("scheduler bug")
+
+        engine.core.scheduler.update = broken_update
+        bug = await asyncio.gather(*(client(i) for i in range(2)))
+        assert all(outs[-1].finish_reason == "error" and "internal error" in outs[-1].error for outs in bug)
+        assert_pool_whole(engine)
+        again = await client(5)
+        await server.shutdown(drain_timeout=1.0)
+        return first, after, again
+
+    first, after, again = asyncio.run(main())
+    assert [t for out in again for t in out.new_token_ids] == expected[5].token_ids
     failed = [outs for outs in first if outs[-1].finish_reason == "error"]
     assert len(failed) >= 2 and all(outs[-1].error.startswith("RuntimeError") for outs in failed)
     for i, outs in enumerate(first):
