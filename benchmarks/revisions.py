@@ -6,9 +6,9 @@ The base revision is exported with `git archive` into a temporary directory and 
 tree's when the base has none) with `--json`; the numbers compared per script:
   decode.py           every fxllm row's ms/token and prefill ms, per context
   paged.py            tokens/s of every throughput run (c), the prefix-caching prefill speedup (d)
-  engine_overhead.py  ms/token of one request and tokens/s of a batch, wall clock
+  engine_overhead.py  per artifact: ms/token of one request and tokens/s of a batch, wall clock
 
-    .venv/bin/python benchmarks/revisions.py --base main --rounds 3 -- engine_overhead.py ARTIFACT
+    .venv/bin/python benchmarks/revisions.py --base main --rounds 3 -- engine_overhead.py ARTIFACT PAGED_ARTIFACT
     .venv/bin/python benchmarks/revisions.py --base main -- paged.py --quick --artifact PAGED_ARTIFACT
     .venv/bin/python benchmarks/revisions.py --base main -- decode.py --artifact ARTIFACT --skip-transformers
 """
@@ -49,7 +49,12 @@ def paged_numbers(data: dict) -> dict[str, float]:
 
 
 def overhead_numbers(data: dict) -> dict[str, float]:
-    return {"one request: ms/token": data["single_ms_per_token"], "batch: tokens/s": data["batch_tokens_per_s"]}
+    numbers = {}
+    for artifact, m in data["artifacts"].items():
+        name = f"{Path(artifact).name} ({'paged' if m['paged'] else 'contiguous'})"
+        numbers[f"{name}: one request, ms/token"] = m["single_ms_per_token"]
+        numbers[f"{name}: batch, tokens/s"] = m["batch_tokens_per_s"]
+    return numbers
 
 
 EXTRACTORS: dict[str, Extract] = {"decode.py": decode_numbers, "paged.py": paged_numbers,
