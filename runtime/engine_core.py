@@ -14,13 +14,12 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import numpy as np
 
 from fxllm.errors import FxllmError, GenerationError
 from fxllm.runtime.logprobs import token_logprobs
-from fxllm.runtime.metrics import EngineStats
+from fxllm.runtime.metrics import EngineCounters, EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams
 from fxllm.runtime.sampler import sample_rows
@@ -28,21 +27,6 @@ from fxllm.runtime.scheduler import PREFILL, PagedScheduler, ScheduledBatch, Sta
 from fxllm.runtime.speculative_decoder import SampledTokens, SpeculativeDecoder
 
 logger = logging.getLogger("fxllm.engine")
-
-
-@dataclass
-class _Counters:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    requests_finished: int = 0
-    steps: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    decode_batch_total: int = 0
-    max_decode_batch: int = 0
 
 
 class EngineCore:
@@ -60,7 +44,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._seq_ids = itertools.count()
-        self._counters = _Counters()
+        self._counters = EngineCounters()
 
     # -- requests in ------------------------------------------------------------------------------------------------
 

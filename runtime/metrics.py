@@ -79,6 +79,23 @@ class SpeculativeMetrics(SpeculativeStats):
                                 for f in fields(SpeculativeStats)})
 
 
+@dataclass
+class EngineCounters:
+    """The engine core's running totals (stats() reports them with the scheduler's)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_batch_total: int = 0
+    max_decode_batch: int = 0
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of one engine core. Gauges (running, waiting, KV blocks) are current; counters run since the core
