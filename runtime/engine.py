@@ -8,13 +8,13 @@ import os
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fxllm.errors import ArtifactError, GenerationError
+from fxllm.errors import ArtifactError, GenerationError, InvalidArgumentError
 from fxllm.runtime.backend import Backend, load_backend
 from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.runtime.driver import CoreDriver
@@ -23,7 +23,8 @@ from fxllm.runtime.manifest import Manifest, load_manifest
 from fxllm.runtime.metrics import EngineStats, RequestMetrics
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import RequestOutput, SamplingParams
-from fxllm.runtime.request_validation import check_engine_options, check_kv_pool
+from fxllm.runtime.request_validation import (GenerationRequest, check_engine_options, check_kv_pool, check_prompt,
+                                              check_prompt_ids, check_prompts, check_request)
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
 
@@ -116,7 +117,7 @@ class Engine:
         if plan is not None:
             k = plan.k if spec_k is None else spec_k
             if not 1 <= k <= MAX_SPEC_K:
-                raise GenerationError(f"spec_k must be between 1 and {MAX_SPEC_K}, got {k}")
+                raise InvalidArgumentError("spec_k", f"spec_k must be between 1 and {MAX_SPEC_K}, got {k}")
             if manifest.io.paged:
                 raise ArtifactError("speculative decoding runs on the contiguous KV cache; compile without `paged`")
             draft = None
@@ -171,36 +172,40 @@ class Engine:
         return self.core.stats()
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        prompt = check_prompt(prompt)
         if chat:  # the template writes the special tokens itself
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
     # -- public API ---------------------------------------------------------------------------------------------
+    # Every argument is checked up front by runtime/request_validation.py (InvalidArgumentError naming a bad one);
+    # the engine core checks each request against the model (empty, context, KV pool) with the same functions.
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
                  chat: bool = False) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (returns one result) or a list of prompts of any lengths (returns a list)."""
-        single = isinstance(prompts, str)
-        texts = [prompts] if single else list(prompts)
-        results = self.generate_ids([self.encode(t, chat) for t in texts], max_new_tokens, temperature, top_k,
-                                    top_p, seed, stop, prompts=texts)
+        texts, single = check_prompts(prompts)
+        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
+        results = self._run([self.encode(t, request.chat) for t in texts], request, texts)
         return results[0] if single else results
 
     def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      stop: str | list[str] | None = None, prompts: list[str] | None = None) -> list[GenerationResult]:
-        """Like generate, from token ids. The requests join whatever else the engine is running."""
-        if not prompt_ids:
-            raise GenerationError("no prompts given")
-        rows = [self.core.check_prompt(ids) for ids in prompt_ids]
-        params = [self.sampling_params(ids, max_new_tokens, temperature, top_k, top_p, seed, stop) for ids in rows]
+        """Like generate, from token ids (ints in [0, vocab_size)). The requests join whatever else the engine is
+        running."""
+        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        return self._run(check_prompt_ids(prompt_ids, self.spec.vocab_size), request, prompts)
+
+    def _run(self, rows: list[list[int]], request: GenerationRequest,
+             prompts: list[str] | None) -> list[GenerationResult]:
         results = [GenerationResult(prompts[i] if prompts else None, ids) for i, ids in enumerate(rows)]
         request_ids = [_new_request_id() for _ in rows]
         done = []
-        self.driver.submit(list(zip(request_ids, rows, params)),
-                           [_collector(result, max_new_tokens, self.max_context, done) for result in results])
+        self.driver.submit([(rid, ids, self._capped(request, ids)) for rid, ids in zip(request_ids, rows)],
+                           [_collector(result, request.max_new_tokens, self.max_context, done) for result in results])
         try:
             self.driver.step_until(lambda: len(done) == len(rows))
         finally:
@@ -214,9 +219,12 @@ class Engine:
                top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
                chat: bool = False) -> Iterator[str]:
         """Yield the generated text piece by piece as tokens are decoded. The arguments are checked (and the prompt
-        tokenized) now; the request starts when the first piece is asked for; closing the iterator aborts it."""
-        ids = self.core.check_prompt(self.encode(prompt, chat))
-        params = self.sampling_params(ids, max_new_tokens, temperature, top_k, top_p, seed, stop)
+        tokenized) now, before the first piece is asked for; the request starts then; closing the iterator aborts
+        it."""
+        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
+        ids = self.encode(prompt, request.chat)
+        params = self._capped(request, ids)
+        ids = self.core.check(ids, params)
         return (out.text_delta for out in self.stream_outputs(ids, params) if out.text_delta)
 
     def stream_outputs(self, prompt: str | list[int], params: SamplingParams,
@@ -245,13 +253,16 @@ class Engine:
     def sampling_params(self, prompt_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0,
                         top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                         stop: str | list[str] | None = None) -> SamplingParams:
-        """generate()'s options for this prompt as SamplingParams: max_new_tokens is capped at the room the prompt
-        leaves in the context (generate() then reports finish_reason "context")."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r:.60}")
-        room = max(self.max_context - len(prompt_ids), 1)  # a prompt without room is refused with the prompt
-        return SamplingParams(temperature, top_k, top_p, seed, max_tokens=min(max_new_tokens, room),
-                              stop=() if stop is None else stop)
+        """generate()'s options for this prompt as SamplingParams (checked as generate checks them)."""
+        return self._capped(check_request(max_new_tokens, temperature, top_k, top_p, seed, stop), prompt_ids)
+
+    def _capped(self, request: GenerationRequest, prompt_ids: list[int]) -> SamplingParams:
+        """The request's SamplingParams for this prompt: max_new_tokens capped at the room the prompt leaves in the
+        context (generate() then reports finish_reason "context"; a prompt without room is refused by the core)."""
+        room = max(self.max_context - len(prompt_ids), 1)
+        if request.max_new_tokens <= room:
+            return request.sampling
+        return replace(request.sampling, max_tokens=room)
 
 
 def _new_request_id() -> str:

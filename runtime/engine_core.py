@@ -17,11 +17,13 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from fxllm.errors import FxllmError, GenerationError
+from fxllm.errors import FxllmError, GenerationError, InvalidArgumentError
+from fxllm.runtime.checks import describe
 from fxllm.runtime.logprobs import token_logprobs
 from fxllm.runtime.metrics import EngineCounters, EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams
+from fxllm.runtime.request_validation import check_prompt, check_prompt_length, check_token_ids
 from fxllm.runtime.sampler import sample_rows
 from fxllm.runtime.scheduler import PREFILL, PagedScheduler, ScheduledBatch, StaticBatchScheduler
 from fxllm.runtime.speculative_decoder import SampledTokens, SpeculativeDecoder
@@ -49,26 +51,20 @@ class EngineCore:
     # -- requests in ------------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request; every check runs now (GenerationError, one line), and a refused request changes
-        nothing."""
+        """Queue a request; every check runs now (a one-line GenerationError; InvalidArgumentError naming a bad
+        argument), and a refused request changes nothing."""
         self.enqueue(self.new_request(request_id, prompt, params))
 
     def new_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         """A checked Request that is not queued yet (tokenizes a text prompt). Reads only the core's fixed
         configuration, so another thread may call it while the core steps."""
         if not isinstance(request_id, str) or not request_id:
-            raise GenerationError(f"request_id must be a non-empty string, got {request_id!r:.60}")
-        if not isinstance(params, SamplingParams):
-            raise GenerationError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.check_prompt(self.encode(prompt) if text is not None else prompt)
-        if len(ids) + params.max_tokens > self.max_context:
-            raise GenerationError(
-                f"the prompt is {len(ids)} tokens and max_tokens is {params.max_tokens}, together more than the "
-                f"model's context of {self.max_context} tokens; ask for at most {self.max_context - len(ids)} tokens")
-        self.scheduler.check_fits(len(ids), params.max_tokens)
+            raise InvalidArgumentError("request_id",
+                                       f"request_id must be a non-empty string, got {describe(request_id)}")
+        ids = self.check(prompt, params)
         self._check_duplicate(request_id)
-        return Request(request_id, ids, params, self.tokenizer, prompt=text, seq_id=next(self._seq_ids))
+        return Request(request_id, ids, params, self.tokenizer, prompt=prompt if isinstance(prompt, str) else None,
+                       seq_id=next(self._seq_ids))
 
     def enqueue(self, request: Request) -> None:
         """Queue a request made by new_request."""
@@ -77,27 +73,19 @@ class EngineCore:
         self._counters.prompt_tokens += len(request.prompt_token_ids)
         self.scheduler.add(request)
 
-    def check_prompt(self, token_ids) -> list[int]:
-        """Prompt token ids: non-empty ints of the vocabulary, leaving room for one token in the context."""
-        ids = self.check_token_ids(token_ids)
-        if not ids:
-            raise GenerationError("the prompt is empty after tokenization")
-        if len(ids) >= self.max_context:
-            raise GenerationError(f"the prompt is {len(ids)} tokens; the model's context is {self.max_context} "
-                                  "tokens, which leaves no room to generate")
+    def check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids once prompt and params are checked for this model (InvalidArgumentError naming the
+        argument, as the Python API's checks: runtime/request_validation.py): a valid-Unicode text or token ids of the
+        vocabulary; not empty; prompt + max_tokens within the context and within the KV pool."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError("params", f"params must be a SamplingParams, got {describe(params)}")
+        if isinstance(prompt, str):
+            ids = check_token_ids("prompt", self.encode(check_prompt(prompt)), self.vocab_size)
+        else:
+            ids = check_token_ids("prompt", prompt, self.vocab_size)
+        check_prompt_length(len(ids), params.max_tokens, self.max_context)
+        self.scheduler.check_fits(len(ids), params.max_tokens)
         return ids
-
-    def check_token_ids(self, token_ids) -> list[int]:
-        """A list of ints of the vocabulary (as Python ints)."""
-        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
-            raise GenerationError(f"a prompt must be a string or a list of token ids, got {token_ids!r:.60}")
-        ids = list(token_ids)
-        bad = next((i for i, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, (int, np.integer))
-                    or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise GenerationError(f"token {bad} of the prompt is {ids[bad]!r:.40}, not a token id of this model (0 "
-                                  f"to {self.vocab_size - 1})")
-        return [int(t) for t in ids]
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Stop a request now: its KV blocks are free when this returns; the next step() returns its final output
@@ -247,9 +235,9 @@ class EngineCore:
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Logits [T,V] of every position of one sequence, in a single prefill (evaluation). On a paged artifact it
         borrows blocks of the pool for the call (OutOfBlocks when running requests hold them)."""
-        ids = self.check_token_ids(token_ids)
+        ids = check_token_ids("token_ids", token_ids, self.vocab_size)
         if not 0 < len(ids) <= self.max_context:
-            raise GenerationError(f"can score 1 to {self.max_context} tokens at once, got {len(ids)}")
+            raise InvalidArgumentError("token_ids", f"can score 1 to {self.max_context} tokens at once, got {len(ids)}")
         if not self.runner.io.paged:
             return self.runner.step_one(self.runner.new_cache(), ids, 0, all_logits=True)
         manager, seq_id = self.scheduler.manager, -1 - next(self._seq_ids)

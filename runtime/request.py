@@ -3,15 +3,12 @@ RequestOutput (what one engine step produced for it)."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from numbers import Integral, Real
-from typing import Any
 
-from fxllm.errors import GenerationError
+from fxllm.runtime.checks import flag, integer, integers, real, strings
 from fxllm.runtime.detokenizer import IncrementalDetokenizer
 from fxllm.runtime.metrics import RequestMetrics
 
@@ -26,10 +23,12 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples and when it stops. Construction checks every value (GenerationError naming it).
+    """How one request samples and when it stops. Construction checks the type and range of every value
+    (runtime/checks.py: InvalidArgumentError naming the field) and stores plain Python values.
 
-    temperature: 0 (or below MIN_TEMPERATURE) → greedy, else a finite number; top_k: 0 → no limit; top_p in (0, 1]; seed: None or an int
-    >= 0 (each request samples from its own stream, so its tokens do not depend on its batch).
+    temperature: a finite number >= 0; 0, or anything below MIN_TEMPERATURE, is greedy. top_k: an int >= 0, 0 → no
+    limit. top_p: a finite number in (0, 1]. seed: None or an int >= 0 (each request samples from its own stream,
+    so its tokens do not depend on its batch).
     max_tokens: most tokens to generate (>= 1; prompt + max_tokens must fit the model's context).
     stop: strings that end generation (the text is cut before them); stop_token_ids: ids that end it (the id is
     the last output token, its text is not shown); ignore_eos: do not stop at the model's EOS ids.
@@ -50,23 +49,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "temperature", _number("temperature", self.temperature, minimum=0.0))
-        set_(self, "top_k", _integer("top_k", self.top_k, minimum=0))
-        top_p = _number("top_p", self.top_p, minimum=0.0)
-        if not 0 < top_p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1], got {top_p}")
-        set_(self, "top_p", top_p)
+        set_(self, "temperature", real("temperature", self.temperature, minimum=0.0))
+        set_(self, "top_k", integer("top_k", self.top_k, minimum=0))
+        set_(self, "top_p", real("top_p", self.top_p, above=0.0, maximum=1.0))
         if self.seed is not None:
-            set_(self, "seed", _integer("seed", self.seed, minimum=0))
-        set_(self, "max_tokens", _integer("max_tokens", self.max_tokens, minimum=1))
-        set_(self, "stop", _strings("stop", self.stop))
-        set_(self, "stop_token_ids", tuple(_integer("stop_token_ids", t, minimum=0)
-                                           for t in _items("stop_token_ids", self.stop_token_ids)))
-        if not isinstance(self.ignore_eos, bool):
-            raise GenerationError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+            set_(self, "seed", integer("seed", self.seed, minimum=0))
+        set_(self, "max_tokens", integer("max_tokens", self.max_tokens, minimum=1))
+        set_(self, "stop", strings("stop", self.stop))
+        set_(self, "stop_token_ids", integers("stop_token_ids", self.stop_token_ids, minimum=0))
+        flag("ignore_eos", self.ignore_eos)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                set_(self, name, _integer(name, getattr(self, name), minimum=0, maximum=MAX_LOGPROBS))
+                set_(self, name, integer(name, getattr(self, name), minimum=0, maximum=MAX_LOGPROBS))
 
     @property
     def greedy(self) -> bool:
@@ -175,41 +169,3 @@ class Request:
         return (f"Request({self.request_id!r}, {len(self.prompt_token_ids)} prompt + {len(self.output_token_ids)} "
                 f"output tokens, {self.status.value})")
 
-
-def _integer(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise GenerationError(f"{name} must be an integer, got {type(value).__name__} {value!r:.60}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise GenerationError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise GenerationError(f"{name} must be <= {maximum}, got {value}")
-    return value
-
-
-def _number(name: str, value: Any, minimum: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise GenerationError(f"{name} must be a number, got {type(value).__name__} {value!r:.60}")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
-        raise GenerationError(f"{name} must be a finite number, got {value!r:.60}")
-    if number < minimum:
-        raise GenerationError(f"{name} must be >= {minimum:g}, got {number:g}")
-    return number
-
-
-def _items(name: str, value: Any) -> tuple:
-    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
-        raise GenerationError(f"{name} must be a list, got {type(value).__name__} {value!r:.60}")
-    return tuple(value)
-
-
-def _strings(name: str, value: Any) -> tuple[str, ...]:
-    items = (value,) if isinstance(value, str) else _items(name, value if value is not None else ())
-    for item in items:
-        if not isinstance(item, str):
-            raise GenerationError(f"{name} must hold strings, got {type(item).__name__} {item!r:.60}")
-    return tuple(items)

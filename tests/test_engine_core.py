@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fxllm
-from fxllm.errors import GenerationError
+from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.async_engine import AsyncEngine
 from fxllm.runtime.backend import Backend
 from fxllm.runtime.logprobs import log_softmax
@@ -178,24 +178,32 @@ def test_bad_input_is_refused_at_once_and_the_core_keeps_running(paged_artifact,
     core = engine.core
     core.add_request("good", ids[0], SamplingParams(max_tokens=NEW32[0]))
     tokens = [t for out in core.step() for t in out.new_token_ids]  # running while the bad requests arrive
-    bad = [
-        (("long", [5] * engine.max_context, SamplingParams()), "the prompt is 256 tokens; the model's context is 256"),
-        (("room", ids[1], SamplingParams(max_tokens=250)), "together more than the model's context of 256 tokens"),
-        (("pool", ids[0], SamplingParams(max_tokens=240)), r"needs \d+ KV blocks, but the pool has 48 \(192 tokens\)"),
-        (("vocab", [1, 2, 10**6], SamplingParams()), "token 2 of the prompt is 1000000, not a token id"),
-        (("empty", [], SamplingParams()), "the prompt is empty"),
-        (("type", ids[1], {"max_tokens": 4}), "params must be a SamplingParams"),
-        (("good", ids[1], SamplingParams()), "request id 'good' is already in use"),
+    bad = [  # (arguments, message, the argument InvalidArgumentError names, or None for a plain GenerationError)
+        (("long", [5] * engine.max_context, SamplingParams()), "the prompt is 256 tokens; the model's context is 256",
+         "prompt"),
+        (("room", ids[1], SamplingParams(max_tokens=250)), "together more than the model's context of 256 tokens",
+         "max_tokens"),
+        (("pool", ids[0], SamplingParams(max_tokens=240)), r"needs \d+ KV blocks, but the pool has 48 \(192 tokens\)",
+         None),
+        (("vocab", [1, 2, 10**6], SamplingParams()), r"prompt\[2\] = 1000000 is not a token id of this model", "prompt"),
+        (("float", [1, 2.5], SamplingParams()), r"prompt\[1\] must be an integer, got float 2.5", "prompt"),
+        (("text", "a\ud800", SamplingParams()), "prompt is not valid Unicode", "prompt"),
+        (("empty", [], SamplingParams()), "the prompt is empty", "prompt"),
+        (("type", ids[1], {"max_tokens": 4}), "params must be a SamplingParams", "params"),
+        ((7, ids[1], SamplingParams()), "request_id must be a non-empty string", "request_id"),
+        (("good", ids[1], SamplingParams()), "request id 'good' is already in use", None),
     ]
-    for args, message in bad:
+    for args, message, param in bad:
         with pytest.raises(GenerationError, match=message) as raised:
             core.add_request(*args)
-        assert "\n" not in str(raised.value)
+        assert "\n" not in str(raised.value) and getattr(raised.value, "param", None) == param
     for kwargs, name in (({"temperature": float("nan")}, "temperature"), ({"top_p": 1.5}, "top_p"),
                          ({"max_tokens": 0}, "max_tokens"), ({"logprobs": 21}, "logprobs"),
-                         ({"stop": [3]}, "stop"), ({"seed": -1}, "seed"), ({"top_k": 2.5}, "top_k")):
-        with pytest.raises(GenerationError, match=name):
+                         ({"stop": [3]}, "stop"), ({"seed": -1}, "seed"), ({"top_k": 2.5}, "top_k"),
+                         ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"ignore_eos": 1}, "ignore_eos")):
+        with pytest.raises(InvalidArgumentError, match=name) as raised:
             SamplingParams(**kwargs)
+        assert raised.value.param == name
     with caplog.at_level(logging.INFO, logger="fxllm.engine"):
         core.abort("never-added")
     assert any("never-added" in record.getMessage() for record in caplog.records)
