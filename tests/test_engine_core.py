@@ -19,17 +19,14 @@ from fxllm.runtime.logprobs import log_softmax
 from fxllm.runtime.request import SamplingParams
 from tests.conftest import PROMPTS
 
-PAGED = "cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size=4"
 PROMPTS32 = [(prompt + " ") * (1 + i % 3) + str(i) for i, prompt in enumerate(PROMPTS * 8)]  # 6-60 tokens
 NEW32 = [8 + (i * 5) % 17 for i in range(32)]  # 8-24 new tokens
 ABORTED = (3, 8, 13)
 
 
 @pytest.fixture(scope="module")
-def paged_artifact(make_tiny_model, tmp_path_factory):
-    output = tmp_path_factory.mktemp("engine-core") / "paged"
-    fxllm.compile(make_tiny_model("llama"), output, passes=PAGED)
-    return output
+def paged_artifact(tiny_paged_artifact):
+    return tiny_paged_artifact
 
 
 @pytest.fixture(scope="module")

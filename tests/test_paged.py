@@ -11,15 +11,12 @@ from fxllm.compiler.targets.tensorrt_audit import audit_file
 from fxllm.errors import GenerationError, PipelineError
 from tests.conftest import PROMPTS
 
-PAGED = "cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size=4"
 MIXED = [(prompt + " ") * (1 + i % 3) + str(i) for i, prompt in enumerate(PROMPTS * 4)]  # 16 prompts, 6-60 tokens
 
 
 @pytest.fixture(scope="module")
-def paged_artifact(make_tiny_model, tmp_path_factory):
-    output = tmp_path_factory.mktemp("paged") / "artifact"
-    fxllm.compile(make_tiny_model("llama"), output, passes=PAGED)
-    return output
+def paged_artifact(tiny_paged_artifact):
+    return tiny_paged_artifact
 
 
 @pytest.fixture(scope="module")
