@@ -335,14 +335,16 @@ def load_engine(artifact: Path, args: argparse.Namespace, prefix_caching: bool) 
 
 def run_batch(engine: Any, label: str, prompts: list[list[int]], new_tokens: int) -> RunStats:
     """All prompts in one generate call (continuous batching)."""
+    engine.core.reset_peak_stats()
+    before = engine.stats()
     start = time.perf_counter()
     results = engine.generate_ids(prompts, max_new_tokens=new_tokens)
     wall = time.perf_counter() - start
-    m = engine.last_metrics
-    return RunStats(label, len(prompts), sum(len(r.token_ids) for r in results), wall, m["prefill_seconds"],
-                    m["decode_seconds"], m["prefill_tokens"], m["prefill_cached_tokens"],
-                    sum(len(p) for p in prompts), m["decode_steps"], m["mean_decode_batch"], m["max_decode_batch"],
-                    m["preemptions"], m["prefix_hit_rate"], m["peak_blocks_used"],
+    m = engine.stats().since(before)
+    return RunStats(label, len(prompts), sum(len(r.token_ids) for r in results), wall, m.prefill_seconds,
+                    m.decode_seconds, m.prefill_tokens, m.prefill_cached_tokens,
+                    sum(len(p) for p in prompts), m.decode_steps, round(m.mean_decode_batch, 2), m.max_decode_batch,
+                    m.preemptions, round(m.prefix_cache_hit_rate, 4), m.peak_kv_blocks_used,
                     [list(r.token_ids) for r in results])
 
 

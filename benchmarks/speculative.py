@@ -173,22 +173,20 @@ def load_engines(rows: list[Row], threads: int) -> dict[str, Any]:
     engines = {}
     for row in rows:
         engine = fxllm.load(row.artifact, threads=threads, speculative=row.mode is not None, spec_k=row.k)
-        engine.eos_token_ids = set()  # exactly new_tokens tokens per prompt
-        if engine.speculator is not None:
-            # The draft never stops a sequence (only the target's _append does), but keep it consistent.
-            if engine.speculator.draft is not None:
-                engine.speculator.draft.eos_token_ids = set()
-        elif row.mode is not None:
+        engine.eos_token_ids = set()  # exactly new_tokens tokens per prompt (the draft's EOS never stops anything)
+        if engine.speculator is None and row.mode is not None:
             raise SystemExit(f"speculative.py: {row.artifact} loaded without a draft; pass --recompile")
         engines[row.name] = engine
     return engines
 
 
-def measure_one(engine: Any, ids: list[int], new_tokens: int) -> tuple[float, list[int], dict, dict]:
+def measure_one(engine: Any, ids: list[int], new_tokens: int) -> tuple[float, list[int], Any, dict]:
+    """Wall time, tokens, the run's speculative counters (None without a draft) and the request's timings."""
+    before = engine.stats()
     start = time.perf_counter()
     result = engine.generate_ids([ids], max_new_tokens=new_tokens)[0]
     wall = time.perf_counter() - start
-    return wall, list(result.token_ids), dict(engine.last_metrics), dict(engine.last_timings)
+    return wall, list(result.token_ids), engine.stats().since(before).speculative, dict(result.timings)
 
 
 def measure_set(rows: list[Row], engines: dict[str, Any], prompts: list[list[int]], new_tokens: int,
@@ -214,11 +212,11 @@ def measure_set(rows: list[Row], engines: dict[str, Any], prompts: list[list[int
                 tally.prefill_ms.append(timings.get("prefill_ms", 0.0))
                 tally.decode_ms_per_token.append(timings.get("decode_ms_per_token", 0.0))
             else:
-                tally.proposed += metrics["proposed"]
-                tally.accepted += metrics["accepted"]
-                tally.target_calls += metrics["target_calls"]
-                tally.draft_s += metrics["draft_s"]
-                tally.verify_s += metrics["verify_s"]
+                tally.proposed += metrics.proposed
+                tally.accepted += metrics.accepted
+                tally.target_calls += metrics.target_calls
+                tally.draft_s += metrics.draft_time_s
+                tally.verify_s += metrics.verify_time_s
         summary = "  ".join(f"{row.name} {len(best[row.name][1]) / best[row.name][0]:.1f}" for row in rows)
         print(f"  prompt {number}/{len(prompts)} ({len(ids)} tokens), tokens/s: {summary}", flush=True)
     return tallies

@@ -31,14 +31,14 @@ def main(argv: list[str]) -> None:
     for result in results:
         print(f"--- {result.prompt!r}: {len(result.token_ids)} tokens, finish_reason={result.finish_reason}")
         print(result.text)
-    print(f"timings (batch of 2): {results[0].timings}")
+    print(f"timings (first of the batch of 2): {results[0].timings}")
 
     # One prompt, wrapped in the model's chat template, streamed as text deltas.
     print("--- chat (streamed)")
     for piece in engine.stream("What is the capital of France?", chat=True, max_new_tokens=48):
         print(piece, end="", flush=True)
     print()
-    print(f"timings (stream): {engine.last_timings}")
+    print(f"engine stats: {engine.stats()}")
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ def main(argv: list[str]) -> None:
     results = engine.generate([SYSTEM + q for q in QUESTIONS], max_new_tokens=32)
     for question, result in zip(QUESTIONS, results):
         print(f"--- {question}\n{result.text.strip()}")
-    metrics = engine.last_metrics  # the shared system prompt's full blocks are computed once
-    print(f"decode steps {metrics['decode_steps']}, mean batch {metrics['mean_decode_batch']}, "
-          f"prefix hit rate {metrics['prefix_hit_rate']:.0%}, peak blocks {metrics['peak_blocks_used']}, "
-          f"preemptions {metrics['preemptions']}")
+    stats = engine.stats()  # the shared system prompt's full blocks are computed once
+    print(f"decode steps {stats.decode_steps}, mean batch {stats.mean_decode_batch:.2f}, "
+          f"prefix hit rate {stats.prefix_cache_hit_rate:.0%}, peak blocks {stats.peak_kv_blocks_used}, "
+          f"preemptions {stats.preemptions}")
 
 
 if __name__ == "__main__":

@@ -180,22 +180,25 @@ def cmd_generate(args) -> None:
                 print(json.dumps(result.to_dict(), ensure_ascii=not _stdout_is_unicode()))
             else:
                 print(f"--- {result.prompt!r}\n{result.text}")
-        if engine.last_metrics and "speculative" in engine.last_metrics:
-            metrics = engine.last_metrics
-            print(f"[speculative {metrics['speculative']} k={metrics['k']}: acceptance {metrics['acceptance_rate']:.0%}, "
-                  f"{metrics['tokens_per_target_call']:.2f} tokens per target call]", file=sys.stderr)
-        elif engine.last_metrics:
-            metrics = engine.last_metrics
-            print(f"[paged: {metrics['decode_steps']} decode steps, mean batch {metrics['mean_decode_batch']}, "
-                  f"peak {metrics['peak_blocks_used']}/{metrics['blocks_total']} blocks, "
-                  f"prefix hit rate {metrics['prefix_hit_rate']:.0%}, preemptions {metrics['preemptions']}]",
+        stats = engine.stats()
+        if stats.speculative is not None:
+            spec = stats.speculative
+            print(f"[speculative {spec.mode} k={spec.k}: acceptance {spec.acceptance_rate:.0%}, "
+                  f"{spec.tokens_per_target_call:.2f} tokens per target call]", file=sys.stderr)
+        elif engine.paged:
+            print(f"[paged: {stats.decode_steps} decode steps, mean batch {stats.mean_decode_batch:.2f}, "
+                  f"peak {stats.peak_kv_blocks_used}/{stats.kv_blocks_total} blocks, "
+                  f"prefix hit rate {stats.prefix_cache_hit_rate:.0%}, preemptions {stats.preemptions}]",
                   file=sys.stderr)
         return
-    for piece in engine.stream(args.prompt[0], **options):
-        print(piece, end="", flush=True)
+    ids = engine.encode(args.prompt[0], args.chat)
+    params = engine.sampling_params(ids, **{k: v for k, v in options.items() if k != "chat"})
+    metrics = None
+    for output in engine.stream_outputs(ids, params):
+        print(output.text_delta, end="", flush=True)
+        metrics = output.metrics
     print()
-    timings = engine.last_timings
-    print(f"[prefill {timings['prefill_ms']:.1f} ms, {timings['decode_ms_per_token']:.1f} ms/token]", file=sys.stderr)
+    print(f"[prefill {metrics.prefill_ms:.1f} ms, {metrics.decode_ms_per_token:.1f} ms/token]", file=sys.stderr)
 
 
 def cmd_inspect(args) -> int:

@@ -18,6 +18,8 @@ def default_providers() -> list[str]:
 
 
 class OrtBackend:
+    """The Backend protocol (runtime/backend.py) over one ONNX Runtime InferenceSession."""
+
     name = "onnxruntime"
 
     def __init__(self, model_path: Path, threads: int | None = None, providers: list[str] | None = None,

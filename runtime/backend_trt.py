@@ -33,6 +33,8 @@ def check_plan_compatibility(recorded: dict[str, Any] | None, installed_version:
 
 
 class TrtBackend:
+    """The Backend protocol (runtime/backend.py) over a TensorRT engine; host arrays in and out of every call."""
+
     name = "tensorrt"
 
     def __init__(self, directory: Path, manifest: dict[str, Any]):
@@ -58,11 +60,22 @@ class TrtBackend:
         self.input_names = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.output_names = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
         self.dtypes = {n: _torch_dtype(torch, trt, self.engine.get_tensor_dtype(n)) for n in names}
+        self.signature = {n: (str(self.dtypes[n]).removeprefix("torch."), len(self.engine.get_tensor_shape(n)))
+                          for n in names}
         self.profile = {name: tuple(tuple(s) for s in shapes) for name, shapes in recorded["profile"].items()}
 
     @property
     def providers(self) -> list[str]:
         return ["TensorRT"]
+
+    def input_signature(self) -> dict[str, tuple[str, int]]:
+        return {name: self.signature[name] for name in self.input_names}
+
+    def output_signature(self) -> dict[str, tuple[str, int]]:
+        return {name: self.signature[name] for name in self.output_names}
+
+    def metadata(self) -> dict[str, str]:
+        return {}  # a serialized engine keeps no ONNX metadata
 
     def check_shapes(self, feeds: dict[str, np.ndarray]) -> None:
         """Shapes outside the engine's optimization profile fail inside TensorRT; say which limit, and how to

@@ -6,6 +6,7 @@ number is expected: `max_new_tokens=True` is a mistake, not one token. `name` is
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from numbers import Integral, Real
 from typing import Any
 
@@ -67,6 +68,24 @@ def text(name: str, value: Any, *, param: str | None = None) -> str:
                                                   f"at character {exc.start} (on the command line: bytes that are not "
                                                   "UTF-8)") from None
     return value
+
+
+def strings(param: str, value: Any) -> tuple[str, ...]:
+    """None (none), one string, or an iterable of strings, each valid Unicode (as `text`)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (text(param, value),)
+    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(param, f"{param} must be a string or a list of strings, got {describe(value)}")
+    return tuple(text(f"{param}[{i}]", item, param=param) for i, item in enumerate(value))
+
+
+def integers(param: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> tuple[int, ...]:
+    """An iterable of integers (as `integer`, each in range)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(param, f"{param} must be a list of integers, got {describe(value)}")
+    return tuple(integer(f"{param}[{i}]", item, minimum, maximum, param=param) for i, item in enumerate(value))
 
 
 def _check_range(name: str, param: str, value: float, minimum: float | None, maximum: float | None) -> None:

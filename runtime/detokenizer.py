@@ -15,6 +15,7 @@ class IncrementalDetokenizer:
         self.text = ""  # the generated text so far, cut before a stop string
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
 
     def add(self, token_id: int) -> str:
         """Append a token; return the text that became final."""
@@ -22,9 +23,9 @@ class IncrementalDetokenizer:
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         for stop in self.stop:
             found = text.find(stop, max(0, len(self.text) - len(stop)))  # a stop may straddle two tokens
-            if found != -1:
+            if found != -1:  # searched in text already cut by an earlier stop: a later find cuts earlier
                 text = text[:found]
-                self.stopped = True
+                self.stopped, self.stop_string = True, stop
         self.text = text
         if self.stopped:
             return self.finish()

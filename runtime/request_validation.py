@@ -1,7 +1,9 @@
 """Checks of a generation request's arguments (and of an engine's load options), shared by the Python API, the CLI
 and the HTTP server: every value of the wrong type or out of range becomes an InvalidArgumentError (a
 GenerationError) that names the parameter, before any tokenization or model work. Sampling settings are checked
-by SamplingParams itself (runtime/sampler.py); this module adds the request-level rest."""
+by SamplingParams itself (runtime/request.py); this module adds the request-level rest. The engine core's
+add_request checks its prompts with the same functions, so a request gets the same one-line error whichever way it
+comes in."""
 
 from __future__ import annotations
 
@@ -14,27 +16,33 @@ from typing import Any
 
 from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.checks import describe, flag, integer, text
-from fxllm.runtime.sampler import SamplingParams
+from fxllm.runtime.request import SamplingParams
 
 MAX_THREADS = 1024  # more intra-op threads than this is a typo, not a machine
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One request's checked settings (the prompts are checked separately: they come as text or as token ids)."""
+    """One request's checked settings (the prompts are checked separately: they come as text or as token ids).
+    `sampling` holds them all but chat, with max_tokens = max_new_tokens (the engine caps it per prompt at the
+    room the context leaves)."""
 
     max_new_tokens: int
     sampling: SamplingParams
-    stop: tuple[str, ...] = ()
     chat: bool = False
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.sampling.stop
 
 
 def check_request(max_new_tokens: Any = 64, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
                   seed: Any = None, stop: Any = None, chat: Any = False) -> GenerationRequest:
     """Engine.generate / generate_ids / stream's keyword arguments → a GenerationRequest. max_new_tokens: an int
     >= 1; stop: None, a string or an iterable of strings; chat: a bool; the rest as SamplingParams."""
-    return GenerationRequest(integer("max_new_tokens", max_new_tokens, minimum=1),
-                             SamplingParams(temperature, top_k, top_p, seed), _stop_strings(stop), flag("chat", chat))
+    max_new_tokens = integer("max_new_tokens", max_new_tokens, minimum=1)
+    sampling = SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens, stop=stop)
+    return GenerationRequest(max_new_tokens, sampling, flag("chat", chat))
 
 
 def check_prompt(prompt: Any) -> str:
@@ -55,35 +63,44 @@ def check_prompts(prompts: Any) -> tuple[list[str], bool]:
 
 
 def check_prompt_ids(prompt_ids: Any, vocab_size: int) -> list[list[int]]:
-    """generate_ids()'s prompts: a non-empty iterable of token-id sequences, every id an int in [0, vocab_size)
-    (ONNX Runtime would index the embedding table with anything else, or fail with its own message)."""
+    """generate_ids()'s prompts: a non-empty iterable of token-id sequences, each as check_token_ids."""
     if isinstance(prompt_ids, (str, bytes, Mapping)) or not isinstance(prompt_ids, Iterable):
         raise InvalidArgumentError("prompt_ids",
                                    f"prompt_ids must be a list of token-id lists, got {describe(prompt_ids)}")
-    rows = []
-    for i, row in enumerate(prompt_ids):
-        if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Iterable):
-            raise InvalidArgumentError("prompt_ids",
-                                       f"prompt_ids[{i}] must be a list of token ids, got {describe(row)}")
-        ids = [integer(f"prompt_ids[{i}][{j}]", token, param="prompt_ids") for j, token in enumerate(row)]
-        bad = next((j for j, token in enumerate(ids) if not 0 <= token < vocab_size), None)
-        if bad is not None:
-            raise InvalidArgumentError("prompt_ids", f"prompt_ids[{i}][{bad}] = {ids[bad]} is not a token id of this "
-                                                     f"model (0 to {vocab_size - 1})")
-        rows.append(ids)
+    rows = [check_token_ids(f"prompt_ids[{i}]", row, vocab_size, param="prompt_ids")
+            for i, row in enumerate(prompt_ids)]
     if not rows:
         raise InvalidArgumentError("prompt_ids", "no prompts given")
     return rows
 
 
-def _stop_strings(stop: Any) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (text("stop", stop),)
-    if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Iterable):
-        raise InvalidArgumentError("stop", f"stop must be a string or a list of strings, got {describe(stop)}")
-    return tuple(text(f"stop[{i}]", s, param="stop") for i, s in enumerate(stop))
+def check_token_ids(name: str, token_ids: Any, vocab_size: int, *, param: str | None = None) -> list[int]:
+    """One token-id sequence (a list, tuple or numpy array): every id an int in [0, vocab_size) — ONNX Runtime
+    would index the embedding table with anything else, or fail with its own message. Returns Python ints."""
+    param = param or name
+    if isinstance(token_ids, (str, bytes, Mapping)) or not isinstance(token_ids, Iterable):
+        raise InvalidArgumentError(param, f"{name} must be a list of token ids, got {describe(token_ids)}")
+    ids = [integer(f"{name}[{j}]", token, param=param) for j, token in enumerate(token_ids)]
+    bad = next((j for j, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgumentError(param, f"{name}[{bad}] = {ids[bad]} is not a token id of this model (0 to "
+                                          f"{vocab_size - 1})")
+    return ids
+
+
+def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """A tokenized prompt is not empty, leaves room for one token in the model's context, and with max_tokens
+    generated still fits it."""
+    if num_prompt_tokens == 0:
+        raise InvalidArgumentError("prompt", "the prompt is empty after tokenization")
+    if num_prompt_tokens >= max_context:
+        raise InvalidArgumentError("prompt", f"the prompt is {num_prompt_tokens} tokens; the model's context is "
+                                             f"{max_context} tokens, which leaves no room to generate")
+    if num_prompt_tokens + max_tokens > max_context:
+        raise InvalidArgumentError("max_tokens", f"the prompt is {num_prompt_tokens} tokens and max_tokens is "
+                                                 f"{max_tokens}, together more than the model's context of "
+                                                 f"{max_context} tokens; ask for at most "
+                                                 f"{max_context - num_prompt_tokens} tokens")
 
 
 # -- engine options ---------------------------------------------------------------------------------------------

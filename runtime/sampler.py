@@ -2,41 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from fxllm.errors import GenerationError
-from fxllm.runtime.checks import integer, real
+from fxllm.runtime.request import MIN_TEMPERATURE, SamplingParams
 
-# Temperatures in (0, MIN_TEMPERATURE) sample greedily (argmax). As the temperature falls the distribution
-# concentrates on the argmax; at 1e-5 a logit gap of 1e-3 is already a probability ratio of e^100, so below it
-# sampling is greedy in all but name, and dividing by still smaller values overflows float64 (at ~1e-300) into
-# NaN probabilities. So: 0 and anything below 1e-5 mean greedy, documented, never an overflow.
-MIN_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature: 0 (or below MIN_TEMPERATURE) → greedy; otherwise a finite number. top_k: an int >= 0, 0 → no
-    limit. top_p: a finite number in (0, 1]. seed: None or an int >= 0 (numpy's range). Construction checks types
-    and ranges (InvalidArgumentError naming the parameter) and stores plain Python int/float values."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "temperature", real("temperature", self.temperature, minimum=0.0))
-        object.__setattr__(self, "top_k", integer("top_k", self.top_k, minimum=0))
-        object.__setattr__(self, "top_p", real("top_p", self.top_p, above=0.0, maximum=1.0))
-        if self.seed is not None:
-            object.__setattr__(self, "seed", integer("seed", self.seed, minimum=0))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE
+__all__ = ["MIN_TEMPERATURE", "Sampler", "SamplingParams", "checked_logits", "probabilities", "sample_rows"]
 
 
 def checked_logits(logits: np.ndarray) -> np.ndarray:
@@ -96,3 +67,18 @@ class Sampler:
         # a draw of exactly 0 or one that rounding puts at the total.
         last_possible = probs.shape[-1] - 1 - (probs[:, ::-1] > 0).argmax(-1)
         return np.minimum((cumulative <= draws).sum(-1), last_possible)
+
+
+def sample_rows(logits: np.ndarray, samplers: list[Sampler]) -> np.ndarray:
+    """logits [B,V] → token ids [B], row i drawn by samplers[i] (each request has its own parameters and seeded
+    stream). Greedy rows share one argmax."""
+    greedy = [i for i, sampler in enumerate(samplers) if sampler.params.greedy]
+    if len(greedy) == len(samplers):
+        return samplers[0](logits)
+    tokens = np.zeros(len(samplers), dtype=np.int64)
+    if greedy:
+        tokens[greedy] = samplers[greedy[0]](logits[greedy])
+    for i, sampler in enumerate(samplers):
+        if not sampler.params.greedy:
+            tokens[i] = sampler(logits[i:i + 1])[0]
+    return tokens

@@ -3,12 +3,11 @@ output distributed exactly as the target model's, prompt-lookup (n-gram) draftin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from fxllm.errors import GenerationError
+from fxllm.runtime.metrics import SpeculativeStats  # noqa: F401 - re-exported: the counters' home is metrics.py
 from fxllm.runtime.sampler import SamplingParams, probabilities
 
 EXACT_RULE = "exact"
@@ -135,30 +134,3 @@ class NgramProposer:
                 start = int(matches[-1]) + n
                 return tokens[start : start + self.k].tolist()
         return []
-
-
-@dataclass
-class SpeculativeStats:
-    """Counters over a generation: draft tokens proposed and accepted, target (verification) calls, and time spent."""
-
-    proposed: int = 0
-    accepted: int = 0
-    target_calls: int = 0
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-
-    def record(self, proposed: int, accepted: int) -> None:
-        """Count one verification call that checked `proposed` draft tokens and accepted `accepted` of them."""
-        self.proposed += proposed
-        self.accepted += accepted
-        self.target_calls += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Fraction of proposed draft tokens accepted (0 when none were proposed)."""
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def tokens_per_target_call(self) -> float:
-        """Tokens emitted per target call: each call emits its accepted drafts plus one target token."""
-        return (self.accepted + self.target_calls) / self.target_calls if self.target_calls else 0.0

@@ -93,6 +93,19 @@ def make_tiny_artifact(tmp_path_factory, make_tiny_model):
     return make
 
 
+TINY_PAGED_PASSES = "cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size=4"
+
+
+@pytest.fixture(scope="session")
+def tiny_paged_artifact(tmp_path_factory, make_tiny_model) -> Path:
+    """The tiny llama compiled for the paged KV cache (blocks of 4 tokens); shared, so tests only read it."""
+    import fxllm
+
+    output = tmp_path_factory.mktemp("artifact-llama-paged") / "artifact"
+    fxllm.compile(make_tiny_model("llama"), output, passes=TINY_PAGED_PASSES)
+    return output
+
+
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory) -> Path:
     import fxllm

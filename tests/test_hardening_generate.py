@@ -27,7 +27,6 @@ from fxllm.runtime.sampler import Sampler, SamplingParams, probabilities
 # regression test here fails on its own assertion rather than on an import.
 MANIFEST = "manifest.json"
 
-PAGED = "cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size=4"
 FINISH_REASONS = {"eos", "stop", "length", "context"}
 
 
@@ -37,10 +36,8 @@ def contiguous(make_tiny_artifact) -> Path:
 
 
 @pytest.fixture(scope="module")
-def paged(make_tiny_model, tmp_path_factory) -> Path:
-    output = tmp_path_factory.mktemp("hardening-paged") / "artifact"
-    fxllm.compile(make_tiny_model("llama"), output, passes=PAGED)
-    return output
+def paged(tiny_paged_artifact) -> Path:
+    return tiny_paged_artifact
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,12 @@ from fxllm.compiler.targets.tensorrt_audit import audit_file
 from fxllm.errors import GenerationError, PipelineError
 from tests.conftest import PROMPTS
 
-PAGED = "cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size=4"
 MIXED = [(prompt + " ") * (1 + i % 3) + str(i) for i, prompt in enumerate(PROMPTS * 4)]  # 16 prompts, 6-60 tokens
 
 
 @pytest.fixture(scope="module")
-def paged_artifact(make_tiny_model, tmp_path_factory):
-    output = tmp_path_factory.mktemp("paged") / "artifact"
-    fxllm.compile(make_tiny_model("llama"), output, passes=PAGED)
-    return output
+def paged_artifact(tiny_paged_artifact):
+    return tiny_paged_artifact
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +42,16 @@ def test_sixteen_prompts_together_match_the_contiguous_pipeline(paged_artifact, 
     engine = fxllm.load(paged_artifact)
     results = engine.generate(MIXED, max_new_tokens=24)
     assert [r.token_ids for r in results] == contiguous_tokens
-    metrics = engine.last_metrics
-    assert metrics["max_decode_batch"] == 16 and metrics["preemptions"] == 0
-    assert metrics["blocks_used"] == 0  # everything freed at the end
-    assert 0 <= metrics["kv_waste_at_peak"] < 0.25
+    stats = engine.stats()
+    assert stats.max_decode_batch == 16 and stats.preemptions == 0
+    assert stats.kv_blocks_used == 0  # everything freed at the end
+    assert 0 <= stats.kv_waste_at_peak < 0.25
 
 
 def test_a_small_kv_budget_preempts_without_changing_outputs(paged_artifact, contiguous_tokens):
     engine = fxllm.load(paged_artifact, kv_blocks=48)  # room for a few of the 16 requests at a time
     results = engine.generate(MIXED, max_new_tokens=24)
-    assert engine.last_metrics["preemptions"] > 0
+    assert engine.stats().preemptions > 0
     assert [r.token_ids for r in results] == contiguous_tokens
 
 
@@ -71,8 +68,8 @@ def test_prefix_cache_shares_a_system_prompt(paged_artifact, contiguous_tokens):
     prompts = [system + question for question in PROMPTS]
     engine = fxllm.load(paged_artifact)
     first = [r.token_ids for r in engine.generate(prompts, max_new_tokens=8)]
-    assert engine.last_metrics["prefix_hit_rate"] > 0.5
-    assert engine.last_metrics["prefill_cached_tokens"] > 0
+    assert engine.stats().prefix_cache_hit_rate > 0.5
+    assert engine.stats().prefill_cached_tokens > 0
     alone = fxllm.load(paged_artifact)
     assert [alone.generate(p, max_new_tokens=8).token_ids for p in prompts] == first
 

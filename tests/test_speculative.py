@@ -26,10 +26,10 @@ def test_greedy_output_is_the_targets(draft, make_tiny_model, greedy_reference, 
     engine = fxllm.load(artifact)
     results = engine.generate(EIGHT_PROMPTS, max_new_tokens=64)
     assert [r.token_ids for r in results] == greedy_reference
-    metrics = engine.last_metrics
-    assert metrics["speculative"] == draft.split(":")[0] and metrics["target_calls"] > 0
+    metrics = engine.stats().speculative
+    assert metrics.mode == draft.split(":")[0] and metrics.target_calls > 0
     if draft == "self-int4":  # a close draft: most proposals accepted, several tokens per target call
-        assert metrics["acceptance_rate"] > 0.3 and metrics["tokens_per_target_call"] > 1.5
+        assert metrics.acceptance_rate > 0.3 and metrics.tokens_per_target_call > 1.5
     plain = fxllm.load(artifact, speculative=False)
     assert plain.generate(EIGHT_PROMPTS[0], max_new_tokens=16).token_ids == greedy_reference[0][:16]
 
@@ -40,7 +40,7 @@ def test_sampling_is_seeded_and_uses_the_draft(make_tiny_model, tmp_path):
     engine = fxllm.load(artifact)
     first = engine.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7).token_ids
     assert engine.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7).token_ids == first
-    assert len(first) == 24 and engine.last_metrics["proposed"] > 0
+    assert len(first) == 24 and engine.stats().speculative.proposed > 0
 
 
 def test_bad_drafts_and_k(make_tiny_model, tokenizer, tmp_path_factory, tmp_path):

@@ -1,0 +1,72 @@
+"""The backend seam: what the model runner needs from whatever executes an artifact's graph.
+
+A backend runs one forward call on host (numpy) arrays named by the contract (runtime/contract.py) and describes
+its graph's signature so the manifest can be checked against it before the first step. Where tensors live between
+calls (host, device, a device-resident KV pool) is the model runner's and the backend's business, never the
+engine's. Implementations: OrtBackend (runtime/backend_ort.py), TrtBackend (runtime/backend_trt.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from fxllm.errors import ArtifactError
+from fxllm.runtime.contract import CONTRACT_METADATA_KEY, contract_digest, signature_mismatch
+from fxllm.runtime.manifest import Manifest
+
+BACKENDS = ("onnxruntime", "tensorrt")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str  # "onnxruntime", "tensorrt", ...
+
+    @property
+    def providers(self) -> list[str]:
+        """The execution providers / devices in use, most preferred first."""
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One forward call: every graph input by name → every graph output by name."""
+
+    def input_signature(self) -> dict[str, tuple[str, int]]:
+        """{name: (dtype, rank)} of the graph's inputs, dtypes spelled as in the manifest (int64, float32...)."""
+
+    def output_signature(self) -> dict[str, tuple[str, int]]:
+        """The same for the outputs."""
+
+    def metadata(self) -> dict[str, str]:
+        """The model file's custom metadata (lowering records the contract digest there); {} when it has none."""
+
+
+def load_backend(manifest: Manifest, kind: str = "onnxruntime", threads: int | None = None,
+                 providers: list[str] | None = None, int8_activations: bool = False, spin: bool = True) -> Backend:
+    """The artifact's graph on backend `kind`, checked against the manifest (ONNX Runtime: the real signature and
+    the recorded contract digest) before it is returned."""
+    if kind == "onnxruntime":
+        from fxllm.runtime.backend_ort import OrtBackend
+
+        backend = OrtBackend(manifest.model_file, threads=threads, providers=providers,
+                             int8_activations=int8_activations, spin=spin)
+        check_model_matches(manifest, backend)
+        return backend
+    if kind == "tensorrt":
+        from fxllm.runtime.backend_trt import TrtBackend
+
+        return TrtBackend(manifest.directory, manifest.data)
+    raise ArtifactError(f"unknown backend '{kind}' (available: {', '.join(BACKENDS)})")
+
+
+def check_model_matches(manifest: Manifest, backend: Backend) -> None:
+    """The model file must be the one the manifest describes: same I/O signature, and (for artifacts that record
+    it) the same spec and signature digest it was lowered for. Checked at load, not at the first step."""
+    problem = signature_mismatch(manifest.io, backend.input_signature(), backend.output_signature())
+    if problem is not None:
+        raise ArtifactError(f"'{manifest.model_file.name}' does not match the manifest: {problem}; recompile the "
+                            "artifact")
+    recorded = backend.metadata().get(CONTRACT_METADATA_KEY)
+    if recorded is not None and recorded != contract_digest(manifest.data["spec"], list(manifest.io.inputs),
+                                                            list(manifest.io.outputs)):
+        raise ArtifactError(f"the manifest's model spec or signature was changed after compilation (it no longer "
+                            f"matches '{manifest.model_file.name}'); recompile the artifact")

@@ -1,0 +1,125 @@
+"""One engine core shared by any number of threads and open streams (#16 item 4): calls run together through
+the core, one step at a time.
+
+Callers (Engine.generate / generate_ids / stream from any thread, AsyncEngine's loop thread) submit requests
+here, each with a sink that receives the request's outputs. Whoever waits for outputs drives: under the step lock
+it applies the queued requests, runs one core step and hands every output of that step to its request's sink —
+other callers' outputs included — before it lets go. So requests from different threads and streams are batched
+together, the core only ever runs on one thread at a time, and each request's outputs arrive in order. A caller
+that stops waiting (a closed stream) aborts its request, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from fxllm.errors import GenerationError
+from fxllm.runtime.engine_core import EngineCore
+from fxllm.runtime.request import Request, RequestOutput, SamplingParams
+
+Sink = Callable[[RequestOutput], None]
+logger = logging.getLogger("fxllm.engine")
+
+
+class CoreDriver:
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.accepting = True  # False once shutting down: submit refuses new requests
+        self._step_lock = threading.Lock()  # held while the core runs (and its outputs are delivered)
+        self._lock = threading.Lock()  # guards _sinks and _pending; never held while waiting for the step lock
+        self._sinks: dict[str, Sink] = {}  # unfinished requests (queued or in the core) → where outputs go
+        self._pending: deque[Request] = deque()  # submitted, not yet in the core
+
+    def submit(self, requests: list[tuple[str, str | list[int], SamplingParams]], sinks: list[Sink]) -> None:
+        """Check every request (raising the first problem, GenerationError, before any is queued), then queue all.
+        Their outputs go to the sinks (called on whichever thread steps, under the step lock: keep them short)."""
+        made = [self.core.new_request(request_id, prompt, params) for request_id, prompt, params in requests]
+        with self._lock:
+            if not self.accepting:
+                raise GenerationError("the engine is shutting down and accepts no new requests")
+            ids = [request.request_id for request in made]
+            taken = next((i for i in ids if i in self._sinks), None)
+            if taken is not None or len(set(ids)) != len(ids):
+                raise GenerationError(f"request id {taken or ids[0]!r:.60} is already in use by an unfinished request")
+            for request, sink in zip(made, sinks):
+                self._sinks[request.request_id] = sink
+                self._pending.append(request)
+
+    def abort(self, request_id: str, notify: bool = True) -> None:
+        """Abort now (blocks free when this returns; waits for a running step to end). With notify, the request's
+        sink still receives its final "abort" output from the next step; without, the sink is dropped at once."""
+        with self._step_lock:
+            self._apply_pending()
+            if not notify:
+                with self._lock:
+                    self._sinks.pop(request_id, None)
+            self.core.abort(request_id)
+
+    def unfinished_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sinks)
+
+    def fail_all(self, message: str) -> None:
+        """End every unfinished request with finish_reason "error" (after a step raised: a bug, not a failing model
+        call, which the core handles itself). Each sink gets its final output even if the core is broken."""
+        with self._step_lock:
+            self._apply_pending()
+            with self._lock:
+                sinks, self._sinks = self._sinks, {}
+            for request_id, sink in sinks.items():
+                try:
+                    self.core.abort(request_id, error=message)
+                except Exception:  # the core is broken; the caller still learns its request failed
+                    logger.exception("could not abort %r", request_id)
+                sink(RequestOutput(request_id, [], "", True, "error", error=message))
+            try:
+                self.core.step()  # takes the aborts' outputs (nobody listens any more); no request is left to run
+            except Exception:
+                logger.exception("the engine core cannot step after failing its requests")
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.core.has_unfinished()
+
+    def has_request(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._sinks
+
+    def step_until(self, done: Callable[[], bool]) -> None:
+        """Step the core until done() (checked under the step lock, so no step runs for outputs that already
+        arrived through another thread's step)."""
+        while not done():
+            with self._step_lock:
+                if not done():
+                    self.step_locked()
+
+    def step(self) -> bool:
+        """One step if there is work; whether one ran."""
+        with self._step_lock:
+            if not self.has_work():
+                return False
+            self.step_locked()
+            return True
+
+    def step_locked(self) -> None:
+        """One core step and the delivery of its outputs; the caller holds the step lock."""
+        self._apply_pending()
+        for output in self.core.step():
+            with self._lock:
+                sink = self._sinks.pop(output.request_id, None) if output.finished else self._sinks.get(output.request_id)
+            if sink is not None:
+                sink(output)
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            requests = list(self._pending)
+            self._pending.clear()
+        for request in requests:
+            self.core.enqueue(request)
+
+    def run_exclusive(self, function: Callable[[], object]) -> object:
+        """Run function() while no step runs (e.g. score() borrowing pool blocks)."""
+        with self._step_lock:
+            return function()

@@ -1,0 +1,282 @@
+"""The engine core: requests in, per-step outputs out. Single-threaded by contract (runtime/driver.py shares one
+core between threads; runtime/async_engine.py drives it from an asyncio program).
+
+Each `step()` asks the scheduler for one model call, has the model runner (or the speculative decoder) execute
+it, samples, appends each request's tokens, checks its stop conditions and returns a RequestOutput for every
+request that produced tokens or finished. Requests join (`add_request`) and leave (finish, `abort`) between steps.
+A model call that raises fails exactly the requests in that call (finish_reason "error", blocks freed); the core
+keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from fxllm.errors import FxllmError, GenerationError, InvalidArgumentError
+from fxllm.runtime.checks import describe
+from fxllm.runtime.logprobs import token_logprobs
+from fxllm.runtime.metrics import EngineCounters, EngineStats
+from fxllm.runtime.model_runner import ModelRunner
+from fxllm.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams
+from fxllm.runtime.request_validation import check_prompt, check_prompt_length, check_token_ids
+from fxllm.runtime.sampler import sample_rows
+from fxllm.runtime.scheduler import PREFILL, PagedScheduler, ScheduledBatch, StaticBatchScheduler
+from fxllm.runtime.speculative_decoder import SampledTokens, SpeculativeDecoder
+
+logger = logging.getLogger("fxllm.engine")
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, scheduler: PagedScheduler | StaticBatchScheduler, tokenizer,
+                 eos_token_ids: Iterable[int], max_context: int, vocab_size: int,
+                 encode: Callable[[str], list[int]] | None = None, speculator: SpeculativeDecoder | None = None):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+        self.encode = encode or (lambda text: list(tokenizer.encode(text)))
+        self.speculator = speculator
+        self._requests: dict[str, Request] = {}
+        self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step
+        self._seq_ids = itertools.count()
+        self._counters = EngineCounters()
+
+    # -- requests in ------------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request; every check runs now (a one-line GenerationError; InvalidArgumentError naming a bad
+        argument), and a refused request changes nothing."""
+        self.enqueue(self.new_request(request_id, prompt, params))
+
+    def new_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """A checked Request that is not queued yet (tokenizes a text prompt). Reads only the core's fixed
+        configuration, so another thread may call it while the core steps."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError("request_id",
+                                       f"request_id must be a non-empty string, got {describe(request_id)}")
+        ids = self.check(prompt, params)
+        self._check_duplicate(request_id)
+        return Request(request_id, ids, params, self.tokenizer, prompt=prompt if isinstance(prompt, str) else None,
+                       seq_id=next(self._seq_ids))
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request made by new_request."""
+        self._check_duplicate(request.request_id)
+        self._requests[request.request_id] = request
+        self._counters.prompt_tokens += len(request.prompt_token_ids)
+        self.scheduler.add(request)
+
+    def check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids once prompt and params are checked for this model (InvalidArgumentError naming the
+        argument, as the Python API's checks: runtime/request_validation.py): a valid-Unicode text or token ids of the
+        vocabulary; not empty; prompt + max_tokens within the context and within the KV pool."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError("params", f"params must be a SamplingParams, got {describe(params)}")
+        if isinstance(prompt, str):
+            ids = check_token_ids("prompt", self.encode(check_prompt(prompt)), self.vocab_size)
+        else:
+            ids = check_token_ids("prompt", prompt, self.vocab_size)
+        check_prompt_length(len(ids), params.max_tokens, self.max_context)
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        return ids
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Stop a request now: its KV blocks are free when this returns; the next step() returns its final output
+        (finish_reason "abort", or "error" with this message when `error` is given). An unknown or finished id is
+        a no-op (logged)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            logger.info("abort(%r): no such unfinished request; nothing to do", request_id)
+            return
+        if error is not None:
+            self._ready.append(self._fail(request, error))
+            return
+        request.finish_reason = "abort"
+        self._ready.append(self._finish(request, [], "", None))
+
+    # -- stepping ---------------------------------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._ready)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._ready = self._ready, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            for request in list(self.scheduler.waiting):  # unreachable while add_request checks the pool size
+                outputs.append(self._fail(request, "no KV blocks free and nothing running: the pool is too small"))
+            return outputs
+        now = time.monotonic()
+        for request in batch.requests:
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        start = time.perf_counter()
+        try:
+            results = self._execute(batch)
+        except Exception as exc:  # a backend failure fails this call's requests, not the core
+            message = _one_line(exc)
+            logger.info("a %s call failed; its %d requests fail with it: %s", batch.kind, len(batch.requests), message,
+                        exc_info=logger.isEnabledFor(logging.DEBUG))
+            if self.speculator is None and not self.runner.io.paged:
+                self.runner.reset()
+            return outputs + [self._fail(request, message) for request in batch.requests]
+        self._account(batch, time.perf_counter() - start)
+        self.scheduler.update(batch)
+        for request, start_position, result in zip(batch.requests, batch.positions, results):
+            output = self._apply(request, start_position, result, batch.kind)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> list[SampledTokens]:
+        if self.speculator is not None:
+            return self.speculator.execute(batch)
+        out = self.runner.execute(batch)
+        prompt_logits = out.prompt_logits or [None] * len(batch.requests)
+        if not batch.sample:
+            return [SampledTokens([], None, logits) for logits in prompt_logits]
+        tokens = sample_rows(out.logits, [r.sampler for r in batch.requests])
+        return [SampledTokens([int(token)], out.logits[row:row + 1], prompt_logits[row])
+                for row, token in enumerate(tokens)]
+
+    def _apply(self, request: Request, start: int, result: SampledTokens, kind: str) -> RequestOutput | None:
+        """Append one call's tokens to a request (those after a stop are dropped); its output, if any."""
+        if result.prompt_logits is not None and request.needs_prompt_logits:
+            self._add_prompt_logprobs(request, start, result.prompt_logits)
+        new_ids, delta, logprobs = [], "", []
+        top = request.params.logprobs
+        for row, token in enumerate(result.token_ids):
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = time.monotonic()
+            new_ids.append(token)
+            if top is not None:
+                logprobs += token_logprobs(result.logits[row:row + 1], [token], top)
+            delta += request.append_token(token, self.eos_token_ids)
+            if request.finish_reason is not None:
+                break
+        self._counters.generation_tokens += len(new_ids)
+        if kind != PREFILL:
+            request.metrics.decode_tokens += len(new_ids)
+        if request.finish_reason is not None:
+            return self._finish(request, new_ids, delta, logprobs if top is not None else None)
+        if not new_ids:
+            return None  # a prefill chunk before the last
+        return self._output(request, new_ids, delta, logprobs if top is not None else None)
+
+    def _add_prompt_logprobs(self, request: Request, start: int, logits: np.ndarray) -> None:
+        """Row j of logits (the positions fed from `start`) predicts prompt token start + j + 1."""
+        prompt = request.prompt_token_ids
+        rows = list(range(len(request.prompt_logprobs) - 1 - start, min(len(prompt) - 1 - start, logits.shape[0])))
+        if rows:
+            request.prompt_logprobs += token_logprobs(logits[rows], [prompt[start + j + 1] for j in rows],
+                                                      request.params.prompt_logprobs)
+
+    def _account(self, batch: ScheduledBatch, seconds: float) -> None:
+        c, ms = self._counters, seconds * 1e3
+        c.steps += 1
+        if batch.kind == PREFILL:
+            c.prefill_steps += 1
+            c.prefill_tokens += sum(len(chunk) for chunk in batch.token_ids)
+            c.prefill_seconds += seconds
+            for request in batch.requests:
+                request.metrics.prefill_ms += ms
+            return
+        c.decode_steps += 1
+        c.decode_seconds += seconds
+        c.decode_batch_total += len(batch.requests)
+        c.max_decode_batch = max(c.max_decode_batch, len(batch.requests))
+        for request in batch.requests:
+            request.metrics.decode_ms += ms
+            request.metrics.decode_steps += 1
+
+    # -- requests out -----------------------------------------------------------------------------------------------
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        request.finish_reason, request.error = "error", message
+        return self._finish(request, [], "", None)
+
+    def _finish(self, request: Request, new_ids: list[int], delta: str, logprobs) -> RequestOutput:
+        """The request leaves: out of the scheduler, its blocks and speculative state freed at once."""
+        request.status = RequestStatus.FINISHED
+        request.metrics.finished_time = time.monotonic()
+        self.scheduler.remove(request)
+        if self.speculator is not None:
+            self.speculator.release(request)
+        self._requests.pop(request.request_id, None)
+        self._counters.requests_finished += 1
+        return self._output(request, new_ids, delta, logprobs)
+
+    def _output(self, request: Request, new_ids: list[int], delta: str, logprobs) -> RequestOutput:
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs, request.prompt_logprobs_sent = list(request.prompt_logprobs), True
+        return RequestOutput(request.request_id, new_ids, delta, request.finished, request.finish_reason,
+                             request.stop_reason, request.prompt_token_ids, len(request.prompt_token_ids),
+                             len(request.output_token_ids), logprobs, prompt_logprobs, request.error,
+                             request.metrics.snapshot())
+
+    # -- helpers ----------------------------------------------------------------------------------------------------
+
+    def _check_duplicate(self, request_id: str) -> None:
+        if request_id in self._requests:
+            raise GenerationError(f"request id {request_id!r:.60} is already in use by an unfinished request")
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request's state."""
+        return self._requests.get(request_id)
+
+    def score(self, token_ids: list[int]) -> np.ndarray:
+        """Logits [T,V] of every position of one sequence, in a single prefill (evaluation). On a paged artifact it
+        borrows blocks of the pool for the call (OutOfBlocks when running requests hold them)."""
+        ids = check_token_ids("token_ids", token_ids, self.vocab_size)
+        if not 0 < len(ids) <= self.max_context:
+            raise InvalidArgumentError("token_ids", f"can score 1 to {self.max_context} tokens at once, got {len(ids)}")
+        if not self.runner.io.paged:
+            return self.runner.step_one(self.runner.new_cache(), ids, 0, all_logits=True)
+        manager, seq_id = self.scheduler.manager, -1 - next(self._seq_ids)
+        manager.allocate(seq_id, ids, reuse_cached=False)  # every slot is recomputed and written
+        try:
+            batch = ScheduledBatch(PREFILL, [], [ids], [0], sample=False, prompt_logits=True,
+                                   block_tables=[manager.block_table(seq_id)],
+                                   slots=[manager.slot_mapping(seq_id, 0, len(ids))])
+            return self.runner.execute(batch).prompt_logits[0]
+        finally:
+            manager.free(seq_id)
+
+    def stats(self) -> EngineStats:
+        s, c = self.scheduler, self._counters
+        manager = s.manager if isinstance(s, PagedScheduler) else None
+        return EngineStats(
+            running=s.num_running, waiting=len(s.waiting),
+            kv_blocks_used=manager.num_used_blocks if manager else None,
+            kv_blocks_total=manager.num_blocks if manager else None,
+            prefix_cache_hits=manager.prefix_hits if manager else 0,
+            prefix_cache_queries=manager.prefix_queries if manager else 0,
+            preemptions=s.preemptions, prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens,
+            requests_finished=c.requests_finished, steps=c.steps, prefill_steps=c.prefill_steps,
+            decode_steps=c.decode_steps, prefill_tokens=c.prefill_tokens, prefill_cached_tokens=s.prefill_cached_tokens,
+            prefill_seconds=c.prefill_seconds, decode_seconds=c.decode_seconds,
+            decode_batch_total=c.decode_batch_total, max_decode_batch=c.max_decode_batch,
+            peak_kv_blocks_used=s.peak_blocks_used if manager else None,
+            kv_waste_at_peak=s.peak_waste if manager else None,
+            speculative=self.speculator.metrics() if self.speculator is not None else None)
+
+    def reset_peak_stats(self) -> None:
+        """Start the peaks of stats() (max decode batch, peak KV blocks and their waste) afresh."""
+        self._counters.max_decode_batch = 0
+        if isinstance(self.scheduler, PagedScheduler):
+            self.scheduler.reset_peaks()
+
+
+def _one_line(exc: Exception) -> str:
+    """An error message for a RequestOutput: an FxllmError's own message, else the exception type and first line."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    return first if isinstance(exc, FxllmError) and first else f"{type(exc).__name__}: {first}".rstrip(": ")

@@ -1,0 +1,148 @@
+"""The model runner: executes what a scheduler decided (a ScheduledBatch) on a backend and returns logits. It owns
+the KV cache's placement — the paged pool, or the contiguous cache of the running batch — builds every feed by the
+contract's names, and writes each call's new K/V. It owns no policy: which requests run, and what is sampled, is
+decided elsewhere.
+
+Contiguous cache, one batch at a time: a prefill left-pads the rows' prompts (`attention_mask` 1 on real tokens,
+`position_ids = max(cumsum(mask) - 1, 0)`) and starts a new cache; each decode feeds every remaining row's last
+token after dropping the cache rows of requests that left (and any leading columns that are padding in every row
+still there). Paged cache: rows of equal length at their own positions, read through block tables, their new K/V
+written into the pool slots the scheduler assigned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxllm.runtime.backend import Backend
+from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, LOGITS, LOGITS_INDEX,
+                                    POSITION_IDS, ModelIO, ModelSpec)
+from fxllm.runtime.kv_cache import ContiguousKVCache
+from fxllm.runtime.paged_cache import PagedKVPool
+from fxllm.runtime.scheduler import PREFILL, ScheduledBatch
+
+
+@dataclass
+class RunnerOutput:
+    logits: np.ndarray  # [B, V]: each row's last fed position
+    prompt_logits: list[np.ndarray] | None = None  # per row [tokens fed, V], when the batch asked for them
+
+
+class ModelRunner:
+    def __init__(self, backend: Backend, io: ModelIO, spec: ModelSpec, pad_token_id: int = 0,
+                 pool: PagedKVPool | None = None):
+        self.backend = backend
+        self.io = io
+        self.spec = spec
+        self.pad_token_id = pad_token_id
+        self.pool = pool  # paged artifacts
+        self._rows: list[object] = []  # contiguous: the requests of the running batch, in cache row order
+        self._cache: ContiguousKVCache | None = None
+        self._mask: np.ndarray | None = None
+
+    @classmethod
+    def create(cls, backend: Backend, io: ModelIO, spec: ModelSpec, pad_token_id: int = 0,
+               num_blocks: int | None = None) -> ModelRunner:
+        """A runner with its KV storage: a pool of `num_blocks` blocks for paged artifacts."""
+        pool = None
+        if io.paged:
+            pool = PagedKVPool(io.num_layers, num_blocks, io.block_size, spec.num_kv_heads, spec.head_dim)
+        return cls(backend, io, spec, pad_token_id, pool)
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        if self.io.paged:
+            return self._execute_paged(batch)
+        if batch.kind == PREFILL:
+            return self._prefill_contiguous(batch)
+        return self._decode_contiguous(batch)
+
+    def reset(self) -> None:
+        """Forget the running contiguous batch (its requests failed or left)."""
+        self._rows, self._cache, self._mask = [], None, None
+
+    # -- one sequence on its own contiguous cache (scoring, speculative decoding) ------------------------------------
+
+    def new_cache(self, batch: int = 1) -> ContiguousKVCache:
+        return ContiguousKVCache.empty(self.io.num_layers, batch, self.spec.num_kv_heads, self.spec.head_dim)
+
+    def step_one(self, cache: ContiguousKVCache, token_ids: list[int], start: int, all_logits: bool) -> np.ndarray:
+        """Feed token_ids after the `start` tokens in `cache`, appending their K/V; logits [T, V] of every fed token,
+        or [1, V] of the last unless all_logits."""
+        ids = np.asarray([token_ids], dtype=np.int64)
+        positions = np.arange(start, start + len(token_ids), dtype=np.int64)[None]
+        mask = np.ones((1, start + len(token_ids)), dtype=np.int64)
+        return self._run_contiguous(ids, positions, mask, cache, all_logits)[0]
+
+    # -- contiguous batches -----------------------------------------------------------------------------------------
+
+    def _prefill_contiguous(self, batch: ScheduledBatch) -> RunnerOutput:
+        self.reset()
+        rows = batch.token_ids
+        width = max(len(ids) for ids in rows)
+        input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for row, ids in enumerate(rows):  # left padding: every row's last prompt token sits in the last column
+            input_ids[row, width - len(ids):] = ids
+            mask[row, width - len(ids):] = 1
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        cache = self.new_cache(len(rows))
+        logits = self._run_contiguous(input_ids, positions, mask, cache, batch.prompt_logits)
+        self._rows, self._cache, self._mask = list(batch.requests), cache, mask
+        prompt_logits = [logits[row, width - len(ids):] for row, ids in enumerate(rows)] if batch.prompt_logits \
+            else None
+        return RunnerOutput(logits[:, -1], prompt_logits)
+
+    def _decode_contiguous(self, batch: ScheduledBatch) -> RunnerOutput:
+        cache, mask = self._cache, self._mask
+        if batch.requests != self._rows:  # some requests left the batch: drop their cache rows
+            row_of = {id(request): row for row, request in enumerate(self._rows)}
+            keep = [row_of[id(request)] for request in batch.requests]
+            cache.select_rows(keep)
+            mask = mask[keep]
+            padding = int(mask.any(0).argmax())  # leading columns that are padding in every remaining row
+            if padding:
+                cache.drop_leading(padding)
+                mask = mask[:, padding:]
+            self._rows, self._mask = list(batch.requests), mask
+        mask = np.concatenate([mask, np.ones((len(batch.requests), 1), dtype=np.int64)], axis=1)
+        ids = np.asarray(batch.token_ids, dtype=np.int64)
+        positions = np.asarray(batch.positions, dtype=np.int64)[:, None]
+        logits = self._run_contiguous(ids, positions, mask, cache, all_logits=False)
+        self._mask = mask
+        return RunnerOutput(logits[:, -1])
+
+    def _run_contiguous(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+                        cache: ContiguousKVCache, all_logits: bool) -> np.ndarray:
+        """One call; the cache takes the new K/V. Logits [B, T or 1, V]."""
+        feeds = {INPUT_IDS: input_ids, POSITION_IDS: position_ids, ATTENTION_MASK: attention_mask,
+                 **self._logits_index(input_ids.shape[1], all_logits), **cache.feeds()}
+        outputs = self.backend.run(feeds)
+        cache.update(outputs)
+        return outputs[LOGITS]
+
+    # -- paged ------------------------------------------------------------------------------------------------------
+
+    def _execute_paged(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Rows of equal length at their own positions; the pool takes their new K/V at batch.slots."""
+        self.pool.copy_blocks(batch.copies)
+        width = len(batch.token_ids[0])
+        table = np.zeros((len(batch.block_tables), max(len(t) for t in batch.block_tables)), dtype=np.int64)
+        for row, blocks in enumerate(batch.block_tables):
+            table[row, :len(blocks)] = blocks
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        feeds = {INPUT_IDS: np.asarray(batch.token_ids, dtype=np.int64),
+                 POSITION_IDS: positions[:, None] + np.arange(width, dtype=np.int64),
+                 BLOCK_TABLES: table, CONTEXT_LENS: positions,
+                 **self._logits_index(width, batch.prompt_logits), **self.pool.feeds()}
+        outputs = self.backend.run(feeds)
+        self.pool.write(outputs, np.asarray(batch.slots, dtype=np.int64))
+        logits = outputs[LOGITS]
+        return RunnerOutput(logits[:, -1], list(logits) if batch.prompt_logits else None)
+
+    def _logits_index(self, width: int, all_logits: bool) -> dict[str, np.ndarray]:
+        """select-logits artifacts compute only the positions asked for: the last, or all."""
+        if not self.io.selects_logits:
+            return {}
+        return {LOGITS_INDEX: np.arange(width, dtype=np.int64) if all_logits else np.asarray([width - 1])}

@@ -1,0 +1,171 @@
+"""A request's public types: SamplingParams (what to generate), Request (its state in the engine core) and
+RequestOutput (what one engine step produced for it)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from fxllm.runtime.checks import flag, integer, integers, real, strings
+from fxllm.runtime.detokenizer import IncrementalDetokenizer
+from fxllm.runtime.metrics import RequestMetrics
+
+MAX_LOGPROBS = 20  # most alternatives per position (the OpenAI API's top_logprobs limit)
+
+# Temperatures in (0, MIN_TEMPERATURE) sample greedily (argmax). As the temperature falls the distribution
+# concentrates on the argmax; at 1e-5 a logit gap of 1e-3 is already a probability ratio of e^100, so below it
+# sampling is greedy in all but name, and dividing by still smaller values overflows float64 (at ~1e-300) into
+# NaN probabilities. So: 0 and anything below 1e-5 mean greedy, documented, never an overflow.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops. Construction checks the type and range of every value
+    (runtime/checks.py: InvalidArgumentError naming the field) and stores plain Python values.
+
+    temperature: a finite number >= 0; 0, or anything below MIN_TEMPERATURE, is greedy. top_k: an int >= 0, 0 → no
+    limit. top_p: a finite number in (0, 1]. seed: None or an int >= 0 (each request samples from its own stream,
+    so its tokens do not depend on its batch).
+    max_tokens: most tokens to generate (>= 1; prompt + max_tokens must fit the model's context).
+    stop: strings that end generation (the text is cut before them); stop_token_ids: ids that end it (the id is
+    the last output token, its text is not shown); ignore_eos: do not stop at the model's EOS ids.
+    logprobs: None, or N >= 0: every generated token's logprob plus the N most likely alternatives;
+    prompt_logprobs: the same for every prompt token (the first has none), in the first output.
+    Logprobs are log-softmax of the model's logits, before temperature/top-k/top-p."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "temperature", real("temperature", self.temperature, minimum=0.0))
+        set_(self, "top_k", integer("top_k", self.top_k, minimum=0))
+        set_(self, "top_p", real("top_p", self.top_p, above=0.0, maximum=1.0))
+        if self.seed is not None:
+            set_(self, "seed", integer("seed", self.seed, minimum=0))
+        set_(self, "max_tokens", integer("max_tokens", self.max_tokens, minimum=1))
+        set_(self, "stop", strings("stop", self.stop))
+        set_(self, "stop_token_ids", integers("stop_token_ids", self.stop_token_ids, minimum=0))
+        flag("ignore_eos", self.ignore_eos)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                set_(self, name, integer(name, getattr(self, name), minimum=0, maximum=MAX_LOGPROBS))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position: the chosen token's logprob and the `top` (id, logprob) alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. `new_token_ids`/`text_delta` are this step's; the final output
+    (finished=True) carries finish_reason: "stop" (stop_reason: the EOS or stop token id, or the stop string),
+    "length" (max_tokens), "abort" or "error" (with `error`)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # the request's first output only
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again
+    RUNNING = "running"  # holds KV cache
+    FINISHED = "finished"
+
+
+class Request:
+    """One request inside the engine core: its ids, status and outcome are public; the scheduler and the core
+    update it. `num_computed_tokens` counts tokens whose KV is in the cache."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
+                 prompt: str | None = None, seq_id: int = 0):
+        from fxllm.runtime.sampler import Sampler
+
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.seq_id = seq_id  # the block manager's key
+        self.num_computed_tokens = 0
+        self.sampler = Sampler(params, 1)  # this request's own seeded stream
+        self.detokenizer = IncrementalDetokenizer(tokenizer, list(params.stop))
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
+        self.prompt_logprobs_sent = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether its prefill must return every prompt position's logits (prompt_logprobs not computed yet)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def text(self) -> str:
+        """The generated text so far (cut before a stop string)."""
+        return self.detokenizer.text
+
+    def append_token(self, token: int, eos_token_ids: Iterable[int]) -> str:
+        """Record a sampled token; returns the text that became final. Sets finish_reason when the token ends the
+        request (EOS or stop token, a stop string, max_tokens); the caller then finishes it."""
+        self.output_token_ids.append(token)
+        params = self.params
+        if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+            return self.detokenizer.finish()
+        delta = self.detokenizer.add(token)
+        if self.detokenizer.stopped:
+            self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_string
+        elif len(self.output_token_ids) >= params.max_tokens:
+            self.finish_reason = "length"
+        return delta + self.detokenizer.finish() if self.finish_reason else delta
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {len(self.prompt_token_ids)} prompt + {len(self.output_token_ids)} "
+                f"output tokens, {self.status.value})")
+

@@ -1,0 +1,413 @@
+"""The engine core on a tiny paged artifact: requests join and leave between steps and are aborted midway, through
+the core and through the asyncio wrapper; outputs equal running each request alone; blocks are freed at once; bad
+input is refused at once; a failing model call fails only its own requests; logprobs match the model's scores."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import numpy as np
+import pytest
+
+import fxllm
+from fxllm.errors import GenerationError, InvalidArgumentError
+from fxllm.runtime.async_engine import AsyncEngine
+from fxllm.runtime.backend import Backend
+from fxllm.runtime.logprobs import log_softmax
+from fxllm.runtime.request import SamplingParams
+from tests.conftest import PROMPTS
+
+PROMPTS32 = [(prompt + " ") * (1 + i % 3) + str(i) for i, prompt in enumerate(PROMPTS * 8)]  # 6-60 tokens
+NEW32 = [8 + (i * 5) % 17 for i in range(32)]  # 8-24 new tokens
+ABORTED = (3, 8, 13)
+
+
+@pytest.fixture(scope="module")
+def paged_artifact(tiny_paged_artifact):
+    return tiny_paged_artifact
+
+
+@pytest.fixture(scope="module")
+def alone(paged_artifact):
+    """Every prompt's token ids and its result when it runs alone on a fresh engine."""
+    engine = fxllm.load(paged_artifact)
+    ids = [engine.encode(prompt) for prompt in PROMPTS32]
+    return ids, [engine.generate_ids([i], max_new_tokens=n)[0] for i, n in zip(ids, NEW32)]
+
+
+class FailingBackend:
+    """Wraps a real backend; once armed, the first call whose batch has at least `rows` rows raises."""
+
+    def __init__(self, inner: Backend):
+        self.inner, self.name, self.armed_rows = inner, inner.name, None
+
+    @property
+    def providers(self) -> list[str]:
+        return self.inner.providers
+
+    def arm(self, rows: int = 1) -> None:
+        self.armed_rows = rows
+
+    def run(self, feeds):
+        if self.armed_rows is not None and feeds["input_ids"].shape[0] >= self.armed_rows:
+            self.armed_rows = None
+            raise RuntimeError("injected backend failure\nsecond line")
+        return self.inner.run(feeds)
+
+    def input_signature(self):
+        return self.inner.input_signature()
+
+    def output_signature(self):
+        return self.inner.output_signature()
+
+    def metadata(self):
+        return self.inner.metadata()
+
+
+def assert_pool_whole(engine) -> None:
+    manager = engine.core.scheduler.manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("kv_blocks", [None, 40])  # 40 blocks of 4 tokens: requests get preempted
+def test_sixteen_requests_join_between_steps_and_three_are_aborted(paged_artifact, alone, kv_blocks):
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact, kv_blocks=kv_blocks)
+    core, manager = engine.core, engine.core.scheduler.manager
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(16)}
+    finished = {}
+    step = 0
+    while len(finished) < 16:
+        if step % 2 == 0 and step // 2 < 16:  # a request joins every other step, while the others run
+            i = step // 2
+            core.add_request(f"r{i}", ids[i], SamplingParams(max_tokens=NEW32[i]))
+        for rid in (f"r{i}" for i in ABORTED):
+            if len(tokens[rid]) == 3 and rid not in finished and core.get_request(rid) is not None:
+                request = core.get_request(rid)
+                held = manager.block_table(request.seq_id) if request.seq_id in manager else []
+                private = sum(manager.ref_count(block) == 1 for block in held)
+                free = manager.num_free_blocks
+                core.abort(rid)
+                assert request.seq_id not in manager and manager.num_free_blocks == free + private
+                manager.check_invariants()
+        for output in core.step():
+            tokens[output.request_id] += output.new_token_ids
+            if output.finished:
+                finished[output.request_id] = output
+        step += 1
+        assert step < 2000
+    for i in range(16):
+        rid = f"r{i}"
+        if i in ABORTED:
+            assert finished[rid].finish_reason == "abort" and tokens[rid] == expected[i].token_ids[:3]
+        else:
+            assert tokens[rid] == expected[i].token_ids, rid
+            assert finished[rid].finish_reason in ("length", "stop")
+            assert finished[rid].num_output_tokens == len(tokens[rid])
+    assert_pool_whole(engine)
+    stats = engine.stats()
+    assert stats.requests_finished == 16 and stats.max_decode_batch > 4
+    if kv_blocks is not None:
+        assert stats.preemptions > 0
+
+
+def test_thirty_two_coroutines_on_the_async_engine(paged_artifact, alone):
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact)
+    manager = engine.core.scheduler.manager
+
+    async def main():
+        server = AsyncEngine(engine)
+        tokens = {i: [] for i in range(32)}
+        outcome = {}
+
+        async def client(i: int) -> None:
+            await asyncio.sleep(0.003 * i)  # arrivals spread over the run
+            stream = server.generate(ids[i], SamplingParams(max_tokens=NEW32[i]), f"a{i}")
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    tokens[i] += output.new_token_ids
+                    if output.finished:
+                        outcome[i] = output
+                    if i == ABORTED[0] and len(tokens[i]) == 3:
+                        seq_id = engine.core.get_request(f"a{i}").seq_id
+                        break  # the client goes away: closing the iterator aborts the request
+            if i == ABORTED[0]:
+                assert seq_id not in manager  # its blocks are free as soon as the iterator is closed
+
+        tasks = {i: asyncio.create_task(client(i)) for i in range(32)}
+        for i, how in ((ABORTED[1], "cancel"), (ABORTED[2], "abort")):
+            while len(tokens[i]) < 3:
+                await asyncio.sleep(0.001)
+            seq_id = engine.core.get_request(f"a{i}").seq_id
+            if how == "cancel":  # a disconnect: the task reading the stream is cancelled
+                tasks[i].cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await tasks[i]
+            else:
+                await server.abort(f"a{i}")
+            assert seq_id not in manager
+        await asyncio.gather(*(task for i, task in tasks.items() if i != ABORTED[1]))
+        assert await server.shutdown(drain_timeout=5.0) == 0
+        with pytest.raises(GenerationError, match="shutting down"):
+            await anext(server.generate("late", SamplingParams(), "late"))
+        return tokens, outcome
+
+    tokens, outcome = asyncio.run(main())
+    assert outcome[ABORTED[2]].finish_reason == "abort"
+    for i in range(32):
+        if i in ABORTED:
+            assert tokens[i][:3] == expected[i].token_ids[:3]
+        else:
+            assert tokens[i] == expected[i].token_ids, i
+            assert outcome[i].finished and outcome[i].metrics.time_to_first_token_ms > 0
+    assert_pool_whole(engine)
+
+
+def test_bad_input_is_refused_at_once_and_the_core_keeps_running(paged_artifact, alone, caplog):
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact, kv_blocks=48)
+    core = engine.core
+    core.add_request("good", ids[0], SamplingParams(max_tokens=NEW32[0]))
+    tokens = [t for out in core.step() for t in out.new_token_ids]  # running while the bad requests arrive
+    bad = [  # (arguments, message, the argument InvalidArgumentError names, or None for a plain GenerationError)
+        (("long", [5] * engine.max_context, SamplingParams()), "the prompt is 256 tokens; the model's context is 256",
+         "prompt"),
+        (("room", ids[1], SamplingParams(max_tokens=250)), "together more than the model's context of 256 tokens",
+         "max_tokens"),
+        (("pool", ids[0], SamplingParams(max_tokens=240)), r"needs \d+ KV blocks, but the pool has 48 \(192 tokens\)",
+         None),
+        (("vocab", [1, 2, 10**6], SamplingParams()), r"prompt\[2\] = 1000000 is not a token id of this model", "prompt"),
+        (("float", [1, 2.5], SamplingParams()), r"prompt\[1\] must be an integer, got float 2.5", "prompt"),
+        (("text", "a\ud800", SamplingParams()), "prompt is not valid Unicode", "prompt"),
+        (("empty", [], SamplingParams()), "the prompt is empty", "prompt"),
+        (("type", ids[1], {"max_tokens": 4}), "params must be a SamplingParams", "params"),
+        ((7, ids[1], SamplingParams()), "request_id must be a non-empty string", "request_id"),
+        (("good", ids[1], SamplingParams()), "request id 'good' is already in use", None),
+    ]
+    for args, message, param in bad:
+        with pytest.raises(GenerationError, match=message) as raised:
+            core.add_request(*args)
+        assert "\n" not in str(raised.value) and getattr(raised.value, "param", None) == param
+    for kwargs, name in (({"temperature": float("nan")}, "temperature"), ({"top_p": 1.5}, "top_p"),
+                         ({"max_tokens": 0}, "max_tokens"), ({"logprobs": 21}, "logprobs"),
+                         ({"stop": [3]}, "stop"), ({"seed": -1}, "seed"), ({"top_k": 2.5}, "top_k"),
+                         ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"ignore_eos": 1}, "ignore_eos")):
+        with pytest.raises(InvalidArgumentError, match=name) as raised:
+            SamplingParams(**kwargs)
+        assert raised.value.param == name
+    with caplog.at_level(logging.INFO, logger="fxllm.engine"):
+        core.abort("never-added")
+    assert any("never-added" in record.getMessage() for record in caplog.records)
+    while core.has_unfinished():
+        tokens += [t for out in core.step() for t in out.new_token_ids]
+    assert tokens == expected[0].token_ids
+    assert_pool_whole(engine)
+
+
+def test_a_failing_model_call_fails_only_its_requests(paged_artifact, alone):
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact)
+    failing = FailingBackend(engine.runner.backend)
+    assert isinstance(failing, Backend)
+    engine.runner.backend = failing
+    core, manager = engine.core, engine.core.scheduler.manager
+
+    def run(requests: dict[str, int], arm_after: int, rows: int) -> dict:
+        for rid, i in requests.items():
+            core.add_request(rid, ids[i], SamplingParams(max_tokens=NEW32[i]))
+        got, done, step = {rid: [] for rid in requests}, {}, 0
+        while core.has_unfinished():
+            if step == arm_after:
+                failing.arm(rows)
+            for output in core.step():
+                got[output.request_id] += output.new_token_ids
+                if output.finished:
+                    done[output.request_id] = output
+                    assert core.get_request(output.request_id) is None
+            step += 1
+        return {rid: (got[rid], done[rid]) for rid in requests}
+
+    # The second call prefills p1 alone: only p1 fails.
+    results = run({"p0": 0, "p1": 1, "p2": 2}, arm_after=1, rows=1)
+    assert results["p1"][1].finish_reason == "error" and results["p1"][0] == []
+    assert results["p1"][1].error == "RuntimeError: injected backend failure"
+    for rid, i in (("p0", 0), ("p2", 2)):
+        assert results[rid][0] == expected[i].token_ids
+    assert_pool_whole(engine)
+    # A decode of d0 and d1 fails: both end with "error" (their blocks freed), d2 joins afterwards and completes.
+    results = run({"d0": 3, "d1": 4}, arm_after=2, rows=2)
+    assert all(done.finish_reason == "error" and got == expected[i].token_ids[:len(got)]
+               for (got, done), i in zip(results.values(), (3, 4)))
+    assert run({"d2": 5}, arm_after=-1, rows=1)["d2"][0] == expected[5].token_ids
+    assert_pool_whole(engine)
+    # The blocking API raises the failure as a one-line GenerationError and the engine still serves.
+    failing.arm(1)
+    with pytest.raises(GenerationError, match="generation failed: RuntimeError: injected backend failure$"):
+        engine.generate_ids([ids[6]], max_new_tokens=4)
+    assert engine.generate_ids([ids[6]], max_new_tokens=NEW32[6])[0].token_ids == expected[6].token_ids
+
+
+def test_async_engine_keeps_serving_after_a_failing_call(paged_artifact, alone):
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact)
+    failing = FailingBackend(engine.runner.backend)
+    engine.runner.backend = failing
+
+    async def main():
+        server = AsyncEngine(engine)
+
+        async def client(i: int) -> list:
+            return [out async for out in server.generate(ids[i], SamplingParams(max_tokens=NEW32[i]), f"c{i}")]
+
+        failing.arm(2)  # the first decode of two or more requests fails
+        first = await asyncio.gather(*(client(i) for i in range(4)))
+        after = await client(4)
+        update = engine.core.scheduler.update
+
+        def broken_update(batch):  # a bug inside a step (not a model call): every unfinished request fails
+            engine.core.scheduler.update = update
+            raise AssertionError("scheduler bug")
+
+        engine.core.scheduler.update = broken_update
+        bug = await asyncio.gather(*(client(i) for i in range(2)))
+        assert all(outs[-1].finish_reason == "error" and "internal error" in outs[-1].error for outs in bug)
+        assert_pool_whole(engine)
+        again = await client(5)
+        await server.shutdown(drain_timeout=1.0)
+        return first, after, again
+
+    first, after, again = asyncio.run(main())
+    assert [t for out in again for t in out.new_token_ids] == expected[5].token_ids
+    failed = [outs for outs in first if outs[-1].finish_reason == "error"]
+    assert len(failed) >= 2 and all(outs[-1].error.startswith("RuntimeError") for outs in failed)
+    for i, outs in enumerate(first):
+        got = [t for out in outs for t in out.new_token_ids]
+        assert got == expected[i].token_ids[:len(got)]
+    assert [t for out in after for t in out.new_token_ids] == expected[4].token_ids
+    assert_pool_whole(engine)
+
+
+def test_logprobs_and_stop_conditions(paged_artifact, alone):
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact)
+    prompt, reference = ids[1], expected[1].token_ids
+    scores = log_softmax(engine.score(prompt + reference[:5]))
+    for attempt in range(2):  # the second run's prompt blocks are cached: prompt logprobs must not use them
+        outputs = list(engine.stream_outputs(prompt, SamplingParams(max_tokens=5, logprobs=3, prompt_logprobs=2)))
+        assert sum(len(out.logprobs) for out in outputs) == 5 and outputs[-1].finish_reason == "length"
+        first = outputs[0].prompt_logprobs
+        assert first[0] is None and len(first) == len(prompt)
+        assert all(out.prompt_logprobs is None for out in outputs[1:])
+        for i in range(1, len(prompt)):
+            assert first[i].token_id == prompt[i] and abs(first[i].logprob - scores[i - 1, prompt[i]]) < 1e-4
+            assert len(first[i].top) == 2 and first[i].top[0][1] >= first[i].top[1][1]
+        chosen = [lp for out in outputs for lp in out.logprobs]
+        for j, lp in enumerate(chosen):
+            row = scores[len(prompt) - 1 + j]
+            assert lp.token_id == reference[j] == lp.top[0][0]  # greedy: the most likely token
+            assert abs(lp.logprob - row[reference[j]]) < 1e-4 and len(lp.top) == 3
+            assert np.allclose([p for _, p in lp.top], np.sort(row)[::-1][:3], atol=1e-4)
+
+    def final(params: SamplingParams):
+        outputs = list(engine.stream_outputs(prompt, params))
+        return [t for out in outputs for t in out.new_token_ids], outputs[-1]
+
+    stop_token = reference[2]
+    tokens, last = final(SamplingParams(max_tokens=8, stop_token_ids=[stop_token]))
+    assert tokens == reference[:reference.index(stop_token) + 1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop_token)
+    engine.eos_token_ids = {reference[1]}
+    tokens, last = final(SamplingParams(max_tokens=8))
+    assert tokens == reference[:reference.index(reference[1]) + 1] and last.stop_reason == reference[1]
+    tokens, last = final(SamplingParams(max_tokens=8, ignore_eos=True))
+    assert tokens == reference[:8] and last.finish_reason == "length"
+    assert_pool_whole(engine)
+
+
+def test_contiguous_batches_take_requests_that_arrive_while_one_runs(make_tiny_artifact):
+    engine = fxllm.load(make_tiny_artifact("llama"))
+    core = engine.core
+    ids = [engine.encode(prompt) for prompt in PROMPTS]
+    expected = [engine.generate_ids([i], max_new_tokens=10)[0].token_ids for i in ids]
+    core.add_request("b0", ids[0], SamplingParams(max_tokens=10))
+    core.add_request("b1", ids[1], SamplingParams(max_tokens=10))
+    tokens = {f"b{i}": [] for i in range(4)}
+    for step in range(40):
+        if step == 2:  # joins the queue while b0 and b1 decode: the next batch (b2, b3) starts when they drain
+            core.add_request("b2", ids[2], SamplingParams(max_tokens=10))
+            core.add_request("b3", ids[3], SamplingParams(max_tokens=10))
+        if step == 4:
+            core.abort("b1")  # leaves the running batch; b0 continues alone
+        for output in core.step():
+            tokens[output.request_id] += output.new_token_ids
+            if output.request_id in ("b2", "b3") and output.new_token_ids:
+                assert len(tokens["b0"]) == 10  # b0's batch drained first
+    assert tokens["b0"] == expected[0] and tokens["b1"] == expected[1][:len(tokens["b1"])] and len(tokens["b1"]) < 10
+    assert tokens["b2"] == expected[2] and tokens["b3"] == expected[3]
+    assert not core.has_unfinished()
+
+
+def _overlap(engine, prompts: list[str], new_tokens: list[int], threads: int, calls: int, streams: int) -> tuple:
+    """`threads` threads × `calls` blocking calls (alternately generate and generate_ids) while this thread reads
+    `streams` open streams piece by piece, round robin. Returns (call results by prompt index, stream texts)."""
+    import threading
+
+    results, errors = {}, []
+
+    def worker(t: int) -> None:
+        try:
+            for c in range(calls):
+                i = streams + t * calls + c
+                if c % 2:
+                    results[i] = engine.generate_ids([engine.encode(prompts[i])], max_new_tokens=new_tokens[i])[0]
+                else:
+                    results[i] = engine.generate(prompts[i], max_new_tokens=new_tokens[i])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    open_streams = [engine.stream(prompts[i], max_new_tokens=new_tokens[i]) for i in range(streams)]
+    texts = [next(stream) for stream in open_streams]  # every stream is open before the threads start
+    workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for thread in workers:
+        thread.start()
+    active = set(range(streams))
+    while active:
+        for s in sorted(active):
+            piece = next(open_streams[s], None)
+            if piece is None:
+                active.discard(s)
+            else:
+                texts[s] += piece
+    for thread in workers:
+        thread.join(timeout=300)
+        assert not thread.is_alive()
+    assert not errors, errors
+    return results, texts
+
+
+def test_threads_and_open_streams_share_a_paged_engine(paged_artifact, alone):
+    """#16: 8 threads × 4 generate calls plus 4 open streams, interleaved, on one engine."""
+    _, expected = alone
+    engine = fxllm.load(paged_artifact)
+    prompts, new_tokens = PROMPTS32 + PROMPTS32[:4], NEW32 + NEW32[:4]
+    results, texts = _overlap(engine, prompts, new_tokens, threads=8, calls=4, streams=4)
+    assert texts == [expected[i].text for i in range(4)]
+    assert {i: r.token_ids for i, r in results.items()} == {i: expected[i % 32].token_ids for i in range(4, 36)}
+    assert engine.stats().max_decode_batch > 4  # the callers' requests ran together
+    assert_pool_whole(engine)
+
+
+def test_threads_and_open_streams_share_a_contiguous_engine(make_tiny_artifact):
+    engine = fxllm.load(make_tiny_artifact("llama"))
+    prompts, new_tokens = PROMPTS32[:12], NEW32[:12]
+    expected = [engine.generate(p, max_new_tokens=n) for p, n in zip(prompts, new_tokens)]
+    results, texts = _overlap(engine, prompts, new_tokens, threads=4, calls=2, streams=4)
+    assert texts == [expected[i].text for i in range(4)]
+    assert {i: r.token_ids for i, r in results.items()} == {i: expected[i].token_ids for i in range(4, 12)}
+    assert not engine.core.has_unfinished()
