@@ -62,7 +62,7 @@ class Sizes:
     rounds: int = 3
 
 
-GPU_SIZES = Sizes("smollm2-135m", ("smollm2-135m", "llama-3.2-1b"))
+GPU_SIZES = Sizes("smollm2-135m", ("llama-3.2-1b", "smollm2-135m"))  # the targets are on the 1B model: first
 CPU_SIZES = Sizes("tiny", ("tiny",), parity_tokens=8, prompt=8, new=8, batch=4, rounds=2)
 
 
