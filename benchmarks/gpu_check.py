@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available()
     sizes = GPU_SIZES if cuda else CPU_SIZES
+    if not cuda:
+        torch.set_num_threads(1)  # 2-layer models: extra threads only contend (badly, on a shared machine)
     device = "cuda" if cuda else "cpu"
     report = Report()
     deadline = time.monotonic() + args.budget_s

@@ -19,6 +19,13 @@ from fxllm.runtime.manifest import load_manifest
 from tests.conftest import PROMPTS
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    threads = torch.get_num_threads()  # the torch backend is loaded with threads=1 (see test_torch_target)
+    yield
+    torch.set_num_threads(threads)
+
+
 def dtype_record(artifact) -> dict:
     record = load_manifest(artifact).data["passes"][-1]
     assert record["name"] == "dtype"
@@ -48,10 +55,10 @@ def test_bf16_torch_artifact_runs_with_its_drift_reported(bf16_paged, make_torch
     print(f"bf16 drift against float32: {drift}")
     assert 0 < drift["max_abs_logit"] < 0.05 and drift["mean_kl"] < 1e-4
 
-    engine = fxllm.load(bf16_paged, backend="torch")
+    engine = fxllm.load(bf16_paged, backend="torch", threads=1)
     assert engine.runner.pool.keys[0].dtype == torch.bfloat16
     half = [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=8)]
-    full = [r.token_ids for r in fxllm.load(make_torch_artifact("llama"), backend="torch").generate(
+    full = [r.token_ids for r in fxllm.load(make_torch_artifact("llama"), backend="torch", threads=1).generate(
         PROMPTS, max_new_tokens=8)]
     assert all(len(tokens) == 8 for tokens in half)
     agreement = np.mean([a == b for h, f in zip(half, full) for a, b in zip(h, f)])

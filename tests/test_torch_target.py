@@ -19,6 +19,15 @@ from tests.conftest import PROMPTS
 NEW_TOKENS = 12
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """The tiny models run on one thread (torch's backend sets the process-wide count; restored after each test):
+    on a shared 2-core machine two spinning threads made a 2-layer model's step 30x slower."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def greedy(engine, prompts: list[str], batched: bool) -> list[list[int]]:
     if batched:
         return [r.token_ids for r in engine.generate(prompts, max_new_tokens=NEW_TOKENS)]
@@ -32,7 +41,7 @@ def ort_tokens(make_tiny_artifact) -> list[list[int]]:
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_torch_target_greedy_tokens_equal_ort_target(make_torch_artifact, ort_tokens, paged):
-    engine = fxllm.load(make_torch_artifact("llama", paged=paged), backend="torch", device="cpu")
+    engine = fxllm.load(make_torch_artifact("llama", paged=paged), backend="torch", device="cpu", threads=1)
     assert engine.backend.providers == ["torch:cpu"]
     assert greedy(engine, PROMPTS, batched=False) == ort_tokens
     assert greedy(engine, PROMPTS, batched=True) == ort_tokens
@@ -58,7 +67,7 @@ def test_kv_cache_stays_on_the_device_between_steps(make_torch_artifact):
     """Every cache input after the first step is the very tensor a previous step returned (contiguous) or the
     pool itself (paged): nothing goes through numpy."""
     for paged in (False, True):
-        engine = fxllm.load(make_torch_artifact("llama", paged=paged), backend="torch")
+        engine = fxllm.load(make_torch_artifact("llama", paged=paged), backend="torch", threads=1)
         run, seen = engine.backend.run, []
         produced: set[int] = set()
 
@@ -85,9 +94,9 @@ def test_the_runtime_runs_a_torch_artifact_without_the_compiler(make_torch_artif
     from tests.test_thin_runtime import Blocked
 
     artifact = make_torch_artifact("llama")
-    expected = fxllm.load(artifact, backend="torch").generate(PROMPTS[0], max_new_tokens=6).token_ids
+    expected = fxllm.load(artifact, backend="torch", threads=1).generate(PROMPTS[0], max_new_tokens=6).token_ids
     blocked = Blocked(tmp_path / "no-compiler", ("fxllm.compiler", "fxllm.passes", "transformers", "onnxscript"))
-    proc = blocked.python(f"import fxllm; print(fxllm.load({str(artifact)!r}, backend='torch')"
+    proc = blocked.python(f"import fxllm; print(fxllm.load({str(artifact)!r}, backend='torch', threads=1)"
                           f".generate({PROMPTS[0]!r}, max_new_tokens=6).token_ids)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(expected)
@@ -128,7 +137,7 @@ def test_smollm2_torch_target_matches_ort_target(smollm2_artifact, tmp_path_fact
     output = tmp_path_factory.mktemp("smollm2-torch") / "artifact"
     fxllm.compile("smollm2-135m", output, target="torch", requantize=True)
     expected = greedy(fxllm.load(smollm2_artifact), PROMPTS, batched=True)
-    engine = fxllm.load(output, backend="torch")
+    engine = fxllm.load(output, backend="torch", threads=1)
     assert greedy(engine, PROMPTS, batched=False) == expected
     assert greedy(engine, PROMPTS, batched=True) == expected
 
@@ -136,5 +145,5 @@ def test_smollm2_torch_target_matches_ort_target(smollm2_artifact, tmp_path_fact
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="torch.compile's CPU backend needs a C++ compiler")
 def test_torch_compile_gives_the_same_tokens(make_torch_artifact, ort_tokens):
-    engine = fxllm.load(make_torch_artifact("llama"), backend="torch", torch_compile=True)
+    engine = fxllm.load(make_torch_artifact("llama"), backend="torch", torch_compile=True, threads=1)
     assert greedy(engine, PROMPTS[:2], batched=False) == ort_tokens[:2]
