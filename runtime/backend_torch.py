@@ -78,7 +78,7 @@ class TorchBackend:
         self.output_names = [sig.name for sig in manifest.io.outputs]
         self._signatures = _signatures(exported, self.input_names, self.output_names)
         self.float_dtype = getattr(torch, manifest.spec.dtype)
-        self.module = exported.module().to(self.device)
+        self.module = program_on_device(torch, exported, self.device)
         self.compiled = bool(compile)
         if compile:
             self.module = torch.compile(self.module, dynamic=True)
@@ -130,6 +130,15 @@ class TorchBackend:
         from fxllm.runtime.device_cache import TorchPagedPool
 
         return TorchPagedPool(layers, blocks, block_size, kv_heads, head_dim, self.device, self.float_dtype)
+
+
+def program_on_device(torch, exported, device):
+    """The program as a callable module on `device`. Lowering ran on CPU and torch.export burns that device into
+    the graph (`arange(..., device=cpu)` in the masks); torch.export.passes.move_to_device_pass moves the weights
+    and rewrites those arguments."""
+    from torch.export.passes import move_to_device_pass
+
+    return move_to_device_pass(exported, str(device)).module()
 
 
 def _signatures(exported, input_names: list[str], output_names: list[str]) -> dict[str, tuple[str, int]]:

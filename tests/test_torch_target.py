@@ -90,6 +90,21 @@ def test_kv_cache_stays_on_the_device_between_steps(make_torch_artifact):
             assert all(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in pools)
 
 
+def test_the_program_moves_to_another_device(make_torch_artifact):
+    """Lowering runs on CPU and torch.export burns that device into the graph (the masks' arange); the backend's
+    move must leave nothing on CPU. The meta device stands in for CUDA: a naive `.to()` of the module fails on it."""
+    from fxllm.compiler.interface import make_input, sample_dims
+    from fxllm.runtime.backend_torch import program_on_device
+
+    for paged in (False, True):
+        manifest = load_manifest(make_torch_artifact("llama", paged=paged))
+        inputs = [make_input(sig, sample_dims()).to("meta") for sig in manifest.io.inputs]
+        with pytest.raises(RuntimeError, match="device"):
+            torch.export.load(str(manifest.model_file)).module().to("meta")(*inputs)
+        outputs = program_on_device(torch, torch.export.load(str(manifest.model_file)), "meta")(*inputs)
+        assert all(value.device.type == "meta" for value in outputs)
+
+
 def test_the_runtime_runs_a_torch_artifact_without_the_compiler(make_torch_artifact, tmp_path):
     from tests.test_thin_runtime import Blocked
 

@@ -64,7 +64,19 @@ def export_for_torch(program: Program) -> torch.export.ExportedProgram:
                    if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fxllm"})
     if left:
         raise UnsupportedModelError(f"the torch target could not inline {', '.join(left)}")
+    _drop_metadata_asserts(exported)
     return exported
+
+
+def _drop_metadata_asserts(exported: torch.export.ExportedProgram) -> None:
+    """torch.export records `x.to(dtype)` as a check of x's dtype *and device* (`_assert_tensor_metadata`): the
+    device is the one lowering ran on (CPU), so the program would refuse to run on CUDA. The checks compute
+    nothing (the ONNX path drops them too)."""
+    graph = exported.graph
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+    exported.graph_module.recompile()
 
 
 def lower_to_torch(program: Program, path: str | os.PathLike, seconds: dict[str, float] | None = None) -> Path:
