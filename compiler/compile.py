@@ -12,12 +12,14 @@ from fxllm.runtime.artifact import check_output, staging_directory, write_manife
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
 from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tokenizer, check_same_vocab,
                                   parse_draft, truncate_layers)
-from fxllm.compiler.pipeline import build_pipeline, parse_pipeline, place_quantization
+from fxllm.compiler.pipeline import build_pipeline, check_dtype, parse_pipeline, place_dtype, place_quantization
 from fxllm.progress import status
 from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source, source_architecture
 from fxllm.errors import PipelineError, UnsupportedModelError
+from fxllm.runtime.contract import TARGETS
 
 MODEL_FILE = "model.onnx"
+TORCH_MODEL_FILE = "model.pt2"
 DRAFT_DIR = "draft"
 TOKENIZER_DIR = "tokenizer"
 
@@ -49,6 +51,7 @@ def compile_model(
     quant_options: dict[str, Any] | None = None,
     requantize: bool = False,
     int8_activations: bool = False,
+    dtype: str = "float32",
 ) -> CompileReport:
     """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work, and so is
     OUTPUT: it is replaced only when it is an fxllm artifact holding nothing else (runtime/artifact.py check_output),
@@ -60,20 +63,22 @@ def compile_model(
     lm_head, embedding, zero_point) adds the quantize pass (see pipeline.place_quantization). A GGUF source keeps its
     own quantized blocks exactly under the default pipeline unless `requantize`. `int8_activations` makes a
     quantized artifact recommend int8 matmul activations at run time (faster, less exact); the default is float
-    activations, the math the drift report measured."""
+    activations, the math the drift report measured. `dtype` (float32, float16, bfloat16; targets torch and
+    tensorrt) runs the finished graph in half precision (the `dtype` pass, appended last)."""
     from fxllm import __version__
     from fxllm.compiler.capture import capture
-    from fxllm.compiler.targets.onnx_export import TARGETS, lower_to_onnx
 
+    if target not in TARGETS:
+        raise PipelineError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     source = resolve_source(model)
     passes, pass_options = place_quantization(passes, pass_options, quant, quant_options,
                                               gguf=bool(source.gguf_file), requantize=requantize)
+    passes = place_dtype(passes, dtype)
     steps = build_pipeline(parse_pipeline(passes), pass_options)
     provided = {fact for step in steps for fact in step.info.provides}
     if "kv-cache" not in provided:
         raise PipelineError("the pipeline must include 'kv-cache': the runtime decodes through a KV cache")
-    if target not in TARGETS:
-        raise PipelineError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
+    check_dtype(steps, target, gguf=bool(source.gguf_file))
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
     if draft_spec is not None and "paged" in provided:
         raise PipelineError("--draft needs the contiguous KV cache: speculative decoding does not run on `paged` yet")
@@ -108,10 +113,19 @@ def compile_model(
             "passes", f"running passes: {', '.join(s.name for s in steps)}", run_pipeline, captured.program, steps,
             str(dump_dir) if dump_dir else None,
         )
-        timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program, stage / MODEL_FILE, target,
-              report.lowering_steps)
+        model_file = TORCH_MODEL_FILE if target == "torch" else MODEL_FILE
+        if target == "torch":
+            from fxllm.compiler.targets.torch_export import lower_to_torch
+
+            timed("lower", "saving the torch.export program (target torch)", lower_to_torch, program,
+                  stage / model_file, report.lowering_steps)
+        else:
+            from fxllm.compiler.targets.onnx_export import lower_to_onnx
+
+            timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program, stage / model_file,
+                  target, report.lowering_steps)
         if target == "tensorrt":
-            _audit_for_tensorrt(stage / MODEL_FILE)
+            _audit_for_tensorrt(stage / model_file)
         tokenizer.save_pretrained(stage / TOKENIZER_DIR)
         speculative = None
         if draft_spec is not None:
@@ -121,7 +135,7 @@ def compile_model(
             "fxllm_version": __version__,
             "source": {"name": source.name, "gguf": bool(source.gguf_file)},
             "target": target,
-            "model_file": MODEL_FILE,
+            "model_file": model_file,
             "tokenizer_dir": TOKENIZER_DIR,
             "spec": program.spec.to_dict(),
             "facts": sorted(program.facts),

@@ -12,7 +12,8 @@ from fxllm.compiler.program import Program
 from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, CONTIGUOUS, INPUT_IDS, LOGITS_INDEX,
                                     PAGED, POSITION_IDS, TensorSig, cache_input, cache_output, parse_cache_name)
 
-DTYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
+DTYPES = {"int64": torch.int64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "bool": torch.bool}
 
 
 def make_input(sig: TensorSig, dims: dict[str, int]) -> torch.Tensor:
@@ -68,8 +69,8 @@ def _run_paged(program: Program, input_ids: torch.Tensor, split: int) -> torch.T
     block_size = pool_sig.dims[1]
     per_sequence = -(-length // block_size)
     tables = torch.stack([torch.arange(per_sequence).flip(0) + b * per_sequence for b in range(batch)])
-    pools = {sig.name: torch.zeros(batch * per_sequence, *pool_sig.dims[1:]) for sig in program.inputs
-             if parse_cache_name(sig.name)}
+    pools = {sig.name: torch.zeros(batch * per_sequence, *pool_sig.dims[1:], dtype=DTYPES[sig.dtype])
+             for sig in program.inputs if parse_cache_name(sig.name)}
     logits = []
     for start, stop in ((0, length - split), (length - split, length)):
         chunk = input_ids[:, start:stop]

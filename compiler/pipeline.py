@@ -78,6 +78,44 @@ def place_quantization(passes: str | list[str] | None, pass_options: dict[str, d
     return passes, options
 
 
+def place_dtype(passes: str | list[str] | None, dtype: str) -> str | list[str] | None:
+    """Half precision (fxllm.compile(dtype=...) and `fxllm compile --dtype` alike) is the `dtype` pass, run last
+    (it converts the cache signature kv-cache and paged created). float32 leaves the pipeline as it is."""
+    from fxllm.runtime.contract import FLOAT_DTYPES
+
+    if dtype not in FLOAT_DTYPES:
+        raise PipelineError(f"unknown dtype '{dtype}' (available: {', '.join(FLOAT_DTYPES)})")
+    if dtype == "float32":
+        return passes
+    items = list(parse_pipeline(passes))
+    if any(name == "dtype" for name, _ in items):
+        raise PipelineError("--dtype and a 'dtype' pass in --passes both set the precision; give only one")
+    return [f"{name}:{';'.join(f'{k}={v}' for k, v in options.items())}" if options else name
+            for name, options in items] + [f"dtype:to={dtype}"]
+
+
+def check_dtype(steps: list[PipelineStep], target: str, gguf: bool = False) -> None:
+    """The precision a pipeline compiles to must be one its target runs, the `dtype` pass must come last, and
+    quantized graphs stay float32 — all checked before any work."""
+    from fxllm.runtime.contract import TARGET_DTYPES
+
+    names = [step.name for step in steps]
+    dtype = "float32"
+    if "dtype" in names:
+        step = steps[names.index("dtype")]
+        dtype = step.options.get("to", step.info.option_defaults.get("to"))
+        if names[-1] != "dtype":
+            raise PipelineError(f"pass 'dtype' must be the last pass (order: {' → '.join(names)}): later passes "
+                                "would add float32 inputs and outputs to a half-precision graph")
+        if "quantize" in names:
+            hint = " (GGUF sources keep their quantized blocks by default: add --requantize)" if gguf else ""
+            raise PipelineError(f"quantized artifacts are float32 only for now: --dtype {dtype} cannot be combined "
+                                f"with the quantize pass{hint}")
+    if dtype not in TARGET_DTYPES[target]:
+        raise PipelineError(f"target '{target}' does not run {dtype} (it runs {', '.join(TARGET_DTYPES[target])}); "
+                            "compile half precision with --target torch or --target tensorrt")
+
+
 def build_pipeline(
     requested: list[tuple[str, dict[str, Any]]], extra_options: dict[str, dict[str, Any]] | None = None
 ) -> list[PipelineStep]:

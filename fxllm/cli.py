@@ -59,9 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "self-layers:N or ngram")
     p.add_argument("--spec-k", type=int, default=4, help="tokens the draft proposes per step (1-16, default 4)")
     p.add_argument("--dump-dir", help="write per-pass graphs, op histograms, timings and drift here")
-    p.add_argument("--target", default="ort", choices=["ort", "tensorrt"],
+    p.add_argument("--target", default="ort", choices=["ort", "tensorrt", "torch"],
                    help="ort: ONNX Runtime (default); tensorrt: TensorRT-parseable ONNX, audited, plus engine.plan "
-                        "when TensorRT and a GPU are present")
+                        "when TensorRT and a GPU are present; torch: a torch.export program (model.pt2) for "
+                        "--backend torch (CPU or CUDA)")
+    p.add_argument("--dtype", default="float32", help="float32 (default) | float16 | bfloat16: weights, activations "
+                                                      "and KV cache (targets torch and tensorrt)")
 
     p = commands.add_parser("build-engine", help="build engine.plan for a tensorrt-target artifact (needs a GPU)")
     p.add_argument("artifact")
@@ -126,7 +129,7 @@ def cmd_compile(args) -> None:
     start = time.perf_counter()
     report = compile_model(args.model, args.output, passes=args.passes, pass_options=options, quant=args.quant,
                            quant_options=quant_options, requantize=args.requantize,
-                           int8_activations=args.int8_activations,
+                           int8_activations=args.int8_activations, dtype=args.dtype,
                            dump_dir=args.dump_dir, target=args.target, draft=args.draft, spec_k=args.spec_k)
     wall = time.perf_counter() - start
     print(f"compiled {args.model} → {report.output}")

@@ -23,7 +23,10 @@ FORMAT_VERSION = 1
 ARTIFACT_KIND = "fxllm-artifact"  # the manifest's "kind": marks a directory fxllm wrote (and may replace)
 MANIFEST_FILE = "manifest.json"
 MAX_SPEC_K = 16  # most draft tokens verified per speculative step
-TARGETS = ("ort", "tensorrt")
+TARGETS = ("ort", "tensorrt", "torch")  # torch: a torch.export program (model.pt2) run by backend "torch"
+# The float dtypes each target can compile to (--dtype): ONNX Runtime's CPU kernels run the float32 graph only.
+TARGET_DTYPES = {"ort": ("float32",), "tensorrt": ("float32", "float16", "bfloat16"),
+                 "torch": ("float32", "float16", "bfloat16")}
 
 # Graph inputs and outputs that are not per layer.
 INPUT_IDS = "input_ids"  # int64 [batch, tokens]
@@ -117,9 +120,11 @@ class ModelSpec:
     notes: list[str] = field(default_factory=list)
     source_num_kv_heads: int | None = None  # set when a pass changed the KV heads (gqa conversion)
 
-    def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
-        """Bytes of K and V cache one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+    def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
+        """Bytes of K and V cache one token occupies across all layers (elements of the model's dtype unless
+        bytes_per_element is given)."""
+        size = bytes_per_element or (2 if self.dtype in ("float16", "bfloat16") else 4)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

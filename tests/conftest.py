@@ -128,3 +128,23 @@ def tiny_gpt2_config():
 
     return GPT2Config(vocab_size=49152, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
                       eos_token_id=2)
+
+
+@pytest.fixture(scope="session")
+def make_torch_artifact(tmp_path_factory, make_tiny_model):
+    """(arch, paged, dtype) → a `--target torch` artifact of the tiny model (default pipeline, + paged)."""
+    import fxllm
+    from fxllm.compiler.pipeline import DEFAULT_PIPELINE
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", paged: bool = False, dtype: str = "float32") -> Path:
+        key = (arch, paged, dtype)
+        if key not in cache:
+            output = tmp_path_factory.mktemp(f"torch-{arch}-{dtype}{'-paged' if paged else ''}") / "artifact"
+            passes = ",".join(DEFAULT_PIPELINE) + (",paged" if paged else "")
+            fxllm.compile(make_tiny_model(arch), output, passes=passes, target="torch", dtype=dtype)
+            cache[key] = output
+        return cache[key]
+
+    return make

@@ -1,0 +1,153 @@
+"""Half precision (--dtype): bf16 and fp16 artifacts of a tiny model compile with the dtype pass's drift reported
+and run (torch target on the torch backend; the TensorRT-form fp16 ONNX, which passes the audit, on ONNX Runtime),
+the TensorRT optimization profile covers every dynamic input, and a precision a target does not run is refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import fxllm
+from fxllm.compiler.targets.tensorrt_build import network_flags, profile_shapes
+from fxllm.errors import FxllmError, PipelineError
+from fxllm.runtime.contract import LOGITS, ModelSpec, parse_cache_name
+from fxllm.runtime.manifest import load_manifest
+from tests.conftest import PROMPTS
+
+
+@pytest.fixture(autouse=True)
+def torch_threads():
+    threads = torch.get_num_threads()  # the torch backend is loaded with threads=1 (see test_torch_target)
+    yield
+    torch.set_num_threads(threads)
+
+
+def dtype_record(artifact) -> dict:
+    record = load_manifest(artifact).data["passes"][-1]
+    assert record["name"] == "dtype"
+    return record["drift"]
+
+
+@pytest.fixture(scope="module")
+def bf16_paged(make_torch_artifact):
+    return make_torch_artifact("llama", paged=True, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def fp16_tensorrt(make_tiny_model, tmp_path_factory):
+    output = tmp_path_factory.mktemp("trt-fp16") / "artifact"
+    report = fxllm.compile(make_tiny_model("llama"), output, target="tensorrt", dtype="float16")
+    assert any("passed the TensorRT audit" in note for note in report.notes)  # the compile fails on a finding
+    return output
+
+
+def test_bf16_torch_artifact_runs_with_its_drift_reported(bf16_paged, make_torch_artifact):
+    manifest = load_manifest(bf16_paged)
+    assert manifest.spec.dtype == "bfloat16"
+    caches = [sig for sig in manifest.io.inputs + manifest.io.outputs if parse_cache_name(sig.name)]
+    assert caches and {sig.dtype for sig in caches} == {"bfloat16"}
+    assert manifest.io.outputs[0].dtype == "float32"  # logits leave in float32
+    drift = dtype_record(bf16_paged)
+    print(f"bf16 drift against float32: {drift}")
+    assert 0 < drift["max_abs_logit"] < 0.05 and drift["mean_kl"] < 1e-4
+
+    engine = fxllm.load(bf16_paged, backend="torch", threads=1)
+    assert engine.runner.pool.keys[0].dtype == torch.bfloat16
+    half = [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=8)]
+    full = [r.token_ids for r in fxllm.load(make_torch_artifact("llama"), backend="torch", threads=1).generate(
+        PROMPTS, max_new_tokens=8)]
+    assert all(len(tokens) == 8 for tokens in half)
+    agreement = np.mean([a == b for h, f in zip(half, full) for a, b in zip(h, f)])
+    print(f"bf16 vs fp32 greedy tokens (random tiny model, near-tied logits): {agreement:.0%} agree")
+
+
+def test_fp16_tensorrt_form_runs_on_onnx_runtime_within_its_drift(fp16_tensorrt, make_tiny_artifact):
+    """The half-precision ONNX TensorRT would build from: float16 caches, float32 logits; on ONNX Runtime its
+    logits stay within the drift the compile reported of the float32 artifact's."""
+    import onnxruntime as ort
+
+    model = onnx.load(str(fp16_tensorrt / "model.onnx"), load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
+    assert types["past_key_0"] == types["present_key_0"] == onnx.TensorProto.FLOAT16
+    assert types[LOGITS] == onnx.TensorProto.FLOAT
+    drift = dtype_record(fp16_tensorrt)
+    assert 0 < drift["max_abs_logit"] < 0.01
+
+    ids = np.array([[1, 400, 500, 600, 700, 800]], dtype=np.int64)
+
+    def logits(artifact, dtype):
+        session = ort.InferenceSession(str(artifact / "model.onnx"), providers=["CPUExecutionProvider"])
+        feeds = {"input_ids": ids, "position_ids": np.arange(ids.shape[1])[None], "attention_mask": np.ones_like(ids),
+                 "logits_index": np.arange(ids.shape[1])}
+        for value in session.get_inputs():
+            if parse_cache_name(value.name):
+                feeds[value.name] = np.zeros((1, 2, 0, 16), dtype=dtype)
+        return session.run([LOGITS], feeds)[0]
+
+    half, full = logits(fp16_tensorrt, np.float16), logits(make_tiny_artifact("llama"), np.float32)
+    print(f"fp16 TensorRT form on ONNX Runtime vs float32: max |Δlogit| {np.abs(half - full).max():.2e}")
+    assert np.abs(half - full).max() < 10 * drift["max_abs_logit"] + 1e-3
+
+
+def test_tensorrt_profile_covers_every_dynamic_input(fp16_tensorrt, bf16_paged):
+    for artifact in (fp16_tensorrt, bf16_paged):  # contiguous + select-logits; paged + select-logits
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        shapes = profile_shapes(manifest, max_batch=8, max_tokens=256)
+        dynamic = {sig["name"] for sig in manifest["io"]["inputs"]}
+        assert set(shapes) == dynamic
+        context = manifest["spec"]["max_positions"]
+        named: dict[str, set] = {}
+        for sig in manifest["io"]["inputs"]:
+            low, opt, high = shapes[sig["name"]]
+            for i, dim in enumerate(sig["dims"]):
+                assert low[i] <= opt[i] <= high[i] and low[i] >= 0
+                if isinstance(dim, int):
+                    assert low[i] == opt[i] == high[i] == dim
+                else:
+                    named.setdefault(dim, set()).add((low[i], opt[i], high[i]))
+        assert all(len(ranges) == 1 for ranges in named.values())  # a shared dim has one range
+        assert named["select"] == {(1, 1, 256)} and named["batch"] == {(1, 1, 8)}
+        if "table" in named:  # paged: a table covers the whole context; the pool is the runtime's default
+            block_size = manifest["io"]["inputs"][-1]["dims"][1]
+            assert named["table"] == {(1, context // block_size // 2, context // block_size)}
+            blocks = named["blocks"].pop()
+            bytes_per_block = ModelSpec.from_dict(manifest["spec"]).kv_bytes_per_token() * block_size
+            assert blocks[0] == 1 and blocks[2] * bytes_per_block >= 512 * 2**20 - bytes_per_block
+    bad = {"spec": {"max_positions": 64}, "io": {"inputs": [{"name": "x", "dims": ["beams"], "dtype": "int64"}]}}
+    with pytest.raises(FxllmError, match="beams"):
+        profile_shapes(bad, 1, 1)
+
+
+def test_half_networks_are_strongly_typed():
+    class Flags:
+        STRONGLY_TYPED = 1
+
+    class TensorRT:
+        NetworkDefinitionCreationFlag = Flags
+
+    assert network_flags(TensorRT, "float16") == network_flags(TensorRT, "bfloat16") == 2
+    assert network_flags(TensorRT, "float32") == 0
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(dtype="float16"), "target 'ort' does not run float16"),
+    (dict(dtype="float64"), "unknown dtype 'float64'"),
+    (dict(dtype="bfloat16", target="torch", quant="int8"), "quantized artifacts are float32 only"),
+    (dict(target="torch", passes="cleanup,kv-cache,dtype,select-logits"), "must be the last pass"),
+    (dict(dtype="float16", target="torch", passes="cleanup,kv-cache,dtype"), "give only one"),
+])
+def test_unsupported_precision_is_refused_before_any_work(make_tiny_model, tmp_path, options, words):
+    with pytest.raises(PipelineError) as info:
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "out", **options)
+    assert words in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_half_precision_kv_bytes():
+    spec = ModelSpec("LlamaForCausalLM", "llama", 2, 4, 2, 16, 64, 100, 64, dtype="bfloat16")
+    assert spec.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 2
+    assert spec.kv_bytes_per_token(4) == 2 * 2 * 2 * 16 * 4
