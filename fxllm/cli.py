@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
-    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt"])
+    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt", "torch"])
+    p.add_argument("--device", default="cpu", help="backend torch: cpu (default), cuda or cuda:N")
+    p.add_argument("--torch-compile", action="store_true", help="backend torch: run the program through torch.compile")
     p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
     p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
     p.add_argument("--max-batch", type=int, default=64, help="paged artifacts: most requests decoded at once")
@@ -168,7 +170,7 @@ def cmd_generate(args) -> None:
 
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,
                         kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
-                        int8_activations=_activations(args))
+                        int8_activations=_activations(args), device=args.device, torch_compile=args.torch_compile)
     paged_only = [flag for flag, value in (("--kv-blocks", args.kv_blocks), ("--kv-cache-memory", args.kv_cache_memory))
                   if value is not None]
     if paged_only and not engine.paged:

@@ -3,7 +3,8 @@
 A backend runs one forward call on host (numpy) arrays named by the contract (runtime/contract.py) and describes
 its graph's signature so the manifest can be checked against it before the first step. Where tensors live between
 calls (host, device, a device-resident KV pool) is the model runner's and the backend's business, never the
-engine's. Implementations: OrtBackend (runtime/backend_ort.py), TrtBackend (runtime/backend_trt.py).
+engine's. Implementations: OrtBackend (runtime/backend_ort.py), TrtBackend (runtime/backend_trt.py), TorchBackend
+(runtime/backend_torch.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fxllm.errors import ArtifactError
 from fxllm.runtime.contract import CONTRACT_METADATA_KEY, contract_digest, signature_mismatch
 from fxllm.runtime.manifest import Manifest
 
-BACKENDS = ("onnxruntime", "tensorrt")
+BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
 
 @runtime_checkable
@@ -41,14 +42,24 @@ class Backend(Protocol):
 
 
 def load_backend(manifest: Manifest, kind: str = "onnxruntime", threads: int | None = None,
-                 providers: list[str] | None = None, int8_activations: bool = False, spin: bool = True) -> Backend:
+                 providers: list[str] | None = None, int8_activations: bool = False, spin: bool = True,
+                 device: str = "cpu", torch_compile: bool = False) -> Backend:
     """The artifact's graph on backend `kind`, checked against the manifest (ONNX Runtime: the real signature and
     the recorded contract digest) before it is returned."""
+    if kind != "torch" and manifest.target == "torch":
+        raise ArtifactError(f"'{manifest.directory}' was compiled with --target torch ({manifest.model_file.name}): "
+                            "load it with backend='torch' (device='cpu' or 'cuda')")
     if kind == "onnxruntime":
         from fxllm.runtime.backend_ort import OrtBackend
 
         backend = OrtBackend(manifest.model_file, threads=threads, providers=providers,
                              int8_activations=int8_activations, spin=spin)
+        check_model_matches(manifest, backend)
+        return backend
+    if kind == "torch":  # a --target torch artifact (model.pt2) on `device`, KV kept there between steps
+        from fxllm.runtime.backend_torch import TorchBackend
+
+        backend = TorchBackend(manifest, device=device, compile=torch_compile, threads=threads)
         check_model_matches(manifest, backend)
         return backend
     if kind == "tensorrt":

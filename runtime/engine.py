@@ -94,8 +94,10 @@ class Engine:
              verify: bool = True, backend: str = "onnxruntime", kv_cache_memory: int | str | None = None,
              kv_blocks: int | None = None, max_batch: int = 64, max_tokens_per_step: int = 512,
              prefix_caching: bool = True, int8_activations: bool | None = None, speculative: bool = True,
-             spec_k: int | None = None, spin: bool = True) -> Engine:
-        """backend: "onnxruntime" (any artifact, any machine) or "tensorrt" (an artifact with engine.plan).
+             spec_k: int | None = None, spin: bool = True, device: str = "cpu",
+             torch_compile: bool = False) -> Engine:
+        """backend: "onnxruntime" (any artifact, any machine), "tensorrt" (an artifact with engine.plan) or "torch"
+        (a --target torch artifact on `device`, "cpu" or "cuda", optionally through torch.compile).
         `max_batch` requests run at once. Paged artifacts: the KV pool holds `kv_blocks` blocks, or as many as fit
         in `kv_cache_memory` bytes (e.g. "256MB"; default 512 MiB, at least one full-context sequence); a step
         computes at most `max_tokens_per_step` prompt tokens; `prefix_caching` shares full KV blocks between
@@ -111,7 +113,7 @@ class Engine:
         # would slow the other's (measured: a 5-token verify 105 ms alternating vs 41 ms without spinning).
         runner = load_backend(manifest, backend, threads, providers,
                               manifest.int8_activations if int8_activations is None else int8_activations,
-                              spin=spin and plan is None)
+                              spin=spin and plan is None, device=device, torch_compile=torch_compile)
         tokenizer = load_tokenizer(manifest.tokenizer_dir)
         draft_plan = None
         if plan is not None:

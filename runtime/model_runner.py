@@ -48,7 +48,8 @@ class ModelRunner:
         """A runner with its KV storage: a pool of `num_blocks` blocks for paged artifacts."""
         pool = None
         if io.paged:
-            pool = PagedKVPool(io.num_layers, num_blocks, io.block_size, spec.num_kv_heads, spec.head_dim)
+            make = getattr(backend, "new_paged_pool", PagedKVPool)  # a backend may keep the pool on its device
+            pool = make(io.num_layers, num_blocks, io.block_size, spec.num_kv_heads, spec.head_dim)
         return cls(backend, io, spec, pad_token_id, pool)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -65,7 +66,8 @@ class ModelRunner:
     # -- one sequence on its own contiguous cache (scoring, speculative decoding) ------------------------------------
 
     def new_cache(self, batch: int = 1) -> ContiguousKVCache:
-        return ContiguousKVCache.empty(self.io.num_layers, batch, self.spec.num_kv_heads, self.spec.head_dim)
+        make = getattr(self.backend, "new_contiguous_cache", ContiguousKVCache.empty)  # device-resident if it has one
+        return make(self.io.num_layers, batch, self.spec.num_kv_heads, self.spec.head_dim)
 
     def step_one(self, cache: ContiguousKVCache, token_ids: list[int], start: int, all_logits: bool) -> np.ndarray:
         """Feed token_ids after the `start` tokens in `cache`, appending their K/V; logits [T, V] of every fed token,
