@@ -102,8 +102,8 @@ class Engine:
         in `kv_cache_memory` bytes (e.g. "256MB"; default 512 MiB, at least one full-context sequence); a step
         computes at most `max_tokens_per_step` prompt tokens; `prefix_caching` shares full KV blocks between
         requests with a common prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize
-        activations to int8 (faster, slightly less exact); default: what the artifact recommends (on for quantized
-        artifacts). Artifacts compiled with a draft decode speculatively unless speculative=False; spec_k overrides
+        activations to int8 (faster, slightly less exact); default: what the artifact recommends (float
+        activations unless it was compiled with --int8-activations). Artifacts compiled with a draft decode speculatively unless speculative=False; spec_k overrides
         their k. spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft
         pairs)."""
         check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
