@@ -47,6 +47,9 @@ class GenerationRun:
                     metrics.finished(output.finish_reason or "unknown")
                     metrics.e2e_latency.observe(now - self.arrival)
                 self._queue.put_nowait((choice.index, output))
+        except asyncio.CancelledError:  # close(): generate() has aborted the engine request on the way out
+            metrics.finished("abort")
+            raise
         except Exception as exc:  # a submit the engine refused after all (e.g. shutting down): the consumer raises it
             self._queue.put_nowait((choice.index, exc))
 

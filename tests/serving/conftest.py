@@ -61,15 +61,19 @@ class ServerProcess:
             raise
 
     def metrics(self) -> dict[str, float]:
-        """/metrics as {series name without labels: value} (for the series this test suite reads)."""
+        """/metrics as {series: value}; a series is its name, followed by its labels other than model_name as
+        `{key=value,...}` when it has any (e.g. `fxllm_requests_total{finish_reason=abort}`)."""
         import httpx
 
         text = httpx.get(f"{self.root}/metrics", timeout=10).text
         values = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
-                name_labels, value = line.rsplit(" ", 1)
-                values[name_labels.split("{", 1)[0]] = float(value)
+                series, value = line.rsplit(" ", 1)
+                name, _, labels = series.partition("{")
+                pairs = [pair.replace('"', "") for pair in labels.rstrip("}").split(",") if pair]
+                pairs = [pair for pair in pairs if not pair.startswith("model_name=")]
+                values[name + (f"{{{','.join(pairs)}}}" if pairs else "")] = float(value)
         return values
 
 

@@ -221,7 +221,7 @@ def test_models_health_and_metrics(client, server, engine):
     for name in ("fxllm_num_requests_running", "fxllm_num_requests_waiting", "fxllm_kv_blocks_used",
                  "fxllm_prefix_cache_hit_rate", "fxllm_preemptions_total", "fxllm_prompt_tokens_total",
                  "fxllm_time_to_first_token_seconds_count", "fxllm_inter_token_latency_seconds_count",
-                 "fxllm_requests_total"):
+                 "fxllm_num_requests_admitted", "fxllm_requests_total{finish_reason=length}"):
         assert name in metrics, name
 
 
