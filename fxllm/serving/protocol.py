@@ -4,7 +4,8 @@ Field names, types and defaults follow the OpenAI API reference (completions, ch
 The schema states types only: a value of the right type that the engine refuses (a negative temperature, a prompt
 longer than the context) is answered 400 with the engine's own one-line message, a value of the wrong type 422.
 Unknown request fields are ignored (as vLLM does); fields of the reference that fxllm does not implement are
-accepted at their defaults and refused (400, naming the field) otherwise. `top_k` is an extension (0: no limit).
+accepted at their defaults and refused (400, naming the field) otherwise. Extensions (as vLLM spells them): `top_k`
+(0 or -1: no limit) and `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class _SamplingFields(_Request):
     temperature: Optional[float] = 1.0
     top_p: Optional[float] = 1.0
     top_k: Optional[int] = Field(None, description="extension: sample from the K most likely tokens (0 or -1: all)")
+    ignore_eos: Optional[bool] = Field(False, description="extension: do not stop at the model's end-of-sequence "
+                                                          "tokens (benchmarks)")
     n: Optional[int] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None

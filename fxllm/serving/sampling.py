@@ -52,7 +52,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, n: int, 
         return [SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                                top_k=top_k, top_p=1.0 if request.top_p is None else request.top_p,
                                seed=None if request.seed is None else request.seed + i, max_tokens=max_tokens,
-                               stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                               stop=stop, ignore_eos=bool(request.ignore_eos), logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs)
                 for i in range(n)]
     except GenerationError as exc:
         raise bad_request(exc) from None

@@ -1,8 +1,8 @@
 """`fxllm serve`: one artifact behind the OpenAI API on uvicorn.
 
-The engine is loaded first (a bad artifact or option fails before anything listens), then the socket is bound (a
-port in use is a one-line error), then uvicorn serves the app; the URL is printed on stdout once requests are
-accepted. SIGTERM (or Ctrl-C) stops accepting connections, lets running requests finish for up to
+The socket is bound first (a port in use is a one-line error before a long load), then the engine is loaded (a bad
+artifact or option is a one-line error; connections made meanwhile wait in the listen backlog), then uvicorn serves
+the app; the URL is printed on stdout once requests are accepted. SIGTERM (or Ctrl-C) stops accepting connections, lets running requests finish for up to
 `drain_timeout` seconds, aborts what is left, and returns 0 (Ctrl-C: the CLI's 130).
 """
 
@@ -48,8 +48,12 @@ def serve(options: ServeOptions, **engine_options) -> int:
         raise FxllmError(f"--drain-timeout must be >= 0 seconds, got {options.drain_timeout}")
     name = options.served_model_name or Path(options.artifact).resolve().name
     config = ServingConfig((name,), options.max_queue)
-    engine = fxllm.load(options.artifact, **engine_options)
-    sock = _bind(options.host, options.port)
+    sock = _bind(options.host, options.port)  # first: a port in use fails before a long load
+    try:
+        engine = fxllm.load(options.artifact, **engine_options)
+    except BaseException:
+        sock.close()
+        raise
     service = OpenAIService(AsyncEngine(engine), config)
     app = create_app(lambda: service, api_key=options.api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log,

@@ -33,3 +33,26 @@ def test_serve_without_the_extra_names_it(serve_artifact, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert "pip install 'fxllm[serve]'" in lines[0] and "fastapi" in lines[0]
+
+
+def test_serve_bad_input_is_one_line(serve_artifact, tmp_path):
+    """A missing artifact, a port in use, a bad option: exit 1 with one line, nothing left running."""
+    import socket
+    import subprocess
+
+    from tests.serving.conftest import FXLLM
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        for argv, expected in [((str(tmp_path / "missing"), "--port", "0"), "does not exist"),
+                               ((str(serve_artifact), "--port", str(port)), f"cannot listen on 127.0.0.1:{port}"),
+                               ((str(serve_artifact), "--port", "70000"), "--port must be between 0 and 65535"),
+                               ((str(serve_artifact), "--port", "0", "--max-queue", "-1"), "max_queue")]:
+            proc = subprocess.run([FXLLM, "serve", *argv], capture_output=True, text=True, timeout=120)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 1 and len(lines) == 1 and expected in lines[0], (argv, proc.stderr)
+    finally:
+        taken.close()
