@@ -19,6 +19,7 @@ from fxllm.runtime.request import SamplingParams
 from fxllm.serving.errors import APIError, bad_request
 from fxllm.serving.logprobs import TokenTexts
 from fxllm.serving.metrics import ServingMetrics
+from fxllm.serving.run import GenerationRun
 
 MAX_CHOICES = 128  # most choices (`n`) per request, as the OpenAI API allows
 
@@ -112,16 +113,20 @@ class OpenAIService:
     def capacity(self) -> int | None:
         return None if self.config.max_queue is None else self.max_batch + self.config.max_queue
 
-    def admit(self, count: int) -> None:
+    def check_size(self, count: int) -> None:
+        """400 for an HTTP request that alone asks for more engine requests than the server ever admits at once."""
         capacity = self.capacity
-        if capacity is not None:
-            if count > capacity:
-                raise APIError(400, f"this request asks for {count} completions at once; the server runs at most "
-                                    f"{capacity} (max_batch {self.max_batch} + max_queue {self.config.max_queue})",
-                               param="n")
-            if self._admitted + count > capacity:
-                raise APIError(429, f"the server is busy: {self._admitted} requests are running or queued, at most "
-                                    f"{capacity}; retry later", code="queue_full")
+        if capacity is not None and count > capacity:
+            raise APIError(400, f"this request asks for {count} completions at once; the server runs at most "
+                                f"{capacity} (max_batch {self.max_batch} + max_queue {self.config.max_queue})",
+                           param="n")
+
+    def admit(self, count: int) -> None:
+        """Count `count` engine requests in, or 429 while the server has too many unfinished."""
+        capacity = self.capacity
+        if capacity is not None and self._admitted + count > capacity:
+            raise APIError(429, f"the server is busy: {self._admitted} requests are running or queued, at most "
+                                f"{capacity}; retry later", code="queue_full")
         self._admitted += count
         self.metrics.admitted.set(self._admitted)
 
@@ -133,11 +138,11 @@ class OpenAIService:
     def admitted(self) -> int:
         return self._admitted
 
-    def start(self, choices: list[Choice], request_id: str):
-        """Check every choice, admit them together, and start them; returns the running GenerationRun."""
-        from fxllm.serving.run import GenerationRun
-
+    def start(self, choices: list[Choice], request_id: str) -> GenerationRun:
+        """Check every choice (a bad one refuses them all: 400), admit them together (429) and start them; returns
+        the running GenerationRun."""
         self.check_accepting()
+        self.check_size(len(choices))
         for choice in choices:
             self.check_choice(choice)
         self.admit(len(choices))

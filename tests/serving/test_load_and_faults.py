@@ -8,6 +8,7 @@ import asyncio
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -18,16 +19,16 @@ from tests.serving.conftest import API_KEY, MODEL, ServerProcess, wait_until
 
 STREAMS, CLOSED = 40, 10  # per round; every 4th stream is closed by its client after 3 chunks
 ROUND_PROMPTS = [(prompt + " ") * (1 + i % 3) + str(i) for i, prompt in enumerate(PROMPTS * 10)]  # 5-55 tokens
-# The streams that get closed ask for many tokens, so that the server is still generating them when the client
-# (one asyncio loop parsing 40 streams) gets to close them; the others for fewer, to keep the client's work small.
+# The streams that get closed ask for many tokens, so that the server is still generating them when their client
+# closes them; the others for fewer, to keep the client's work small.
 MAX_TOKENS = [200 if i % 4 == 3 else 48 for i in range(STREAMS)]
 WARM_UP_ROUNDS, ROUNDS = 2, 3
 RSS_TOLERANCE = 2 << 20
 
 
-async def one_round(url: str) -> list[tuple[str, str] | None]:
-    """40 concurrent chat streams; those with i % 4 == 3 are closed after 3 chunks (None), the others read to the
-    end: (text, finish_reason)."""
+async def streams(url: str, indices: list[int]) -> list[tuple[str, str] | None]:
+    """Concurrent completion streams; those with i % 4 == 3 are closed after 3 chunks (None), the others read to
+    the end: (text, finish_reason)."""
     async with openai.AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=120) as client:
         async def stream(i: int):
             response = await client.completions.create(model=MODEL, prompt=ROUND_PROMPTS[i],
@@ -42,13 +43,43 @@ async def one_round(url: str) -> list[tuple[str, str] | None]:
                     return None
             return "".join(text), finish
 
-        return await asyncio.gather(*[stream(i) for i in range(STREAMS)])
+        return await asyncio.gather(*[stream(i) for i in indices])
+
+
+def one_round(url: str) -> list[tuple[str, str] | None]:
+    """The 40 streams at once: the 10 to be closed run on a thread and event loop of their own, so that parsing the
+    other 30 streams cannot delay their close until after the server has finished them."""
+    closing = [i for i in range(STREAMS) if i % 4 == 3]
+    with ThreadPoolExecutor(1) as pool:
+        closed = pool.submit(asyncio.run, streams(url, closing))
+        results = dict(zip([i for i in range(STREAMS) if i % 4 != 3],
+                           asyncio.run(streams(url, [i for i in range(STREAMS) if i % 4 != 3]))))
+        results.update(zip(closing, closed.result()))
+    return [results[i] for i in range(STREAMS)]
 
 
 def idle(server) -> bool:
     m = server.metrics()
     return all(m[name] == 0 for name in ("fxllm_kv_blocks_used", "fxllm_num_requests_running",
                                          "fxllm_num_requests_waiting", "fxllm_num_requests_admitted"))
+
+
+def test_one_disconnect_frees_its_blocks_at_once(server):
+    """A lone stream closed after 3 chunks: its KV blocks are free (and its abort counted) well before it could
+    have generated its 200 tokens."""
+    assert wait_until(lambda: idle(server))
+    aborts = server.metrics().get("fxllm_requests_total{finish_reason=abort}", 0)
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+        body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0, "stream": True}
+        with client.stream("POST", "/completions", json=body) as response:
+            events = (line for line in response.iter_lines() if line)
+            assert [next(events) for _ in range(3)]
+            assert server.metrics()["fxllm_kv_blocks_used"] > 0
+        closed = time.monotonic()
+    assert wait_until(lambda: idle(server), timeout=5)
+    freed = time.monotonic() - closed
+    assert server.metrics()["fxllm_requests_total{finish_reason=abort}"] - aborts == 1
+    print(f"blocks free {freed * 1e3:.0f} ms after the client closed its stream")
 
 
 def test_disconnects_abort_and_free_everything(server, engine):
@@ -63,7 +94,7 @@ def test_disconnects_abort_and_free_everything(server, engine):
     rss = []
     for round_index in range(WARM_UP_ROUNDS + ROUNDS):
         aborts = server.metrics().get("fxllm_requests_total{finish_reason=abort}", 0)
-        results = asyncio.run(one_round(server.url))
+        results = one_round(server.url)
         start = time.monotonic()
         assert wait_until(lambda: idle(server), timeout=10), server.metrics()
         freed_after = time.monotonic() - start
