@@ -120,7 +120,7 @@ def requests_at(clients: int, quick: bool) -> int:
     return clients if quick else (4 if clients == 1 else 2 * clients)
 
 
-# -- the two systems ----------------------------------------------------------------------------------------------------
+# -- the two systems --------------------------------------------------------------------------------------------------
 
 
 async def closed_loop(prompts: list[list[int]], clients: int, one) -> Run:
@@ -211,7 +211,7 @@ class Server:
         return self.proc.wait(60)
 
 
-# -- the run ------------------------------------------------------------------------------------------------------------
+# -- the run ----------------------------------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

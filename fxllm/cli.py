@@ -281,8 +281,8 @@ def cmd_serve(args) -> int:
     require_serving()
     from fxllm.serving.server import ServeOptions, serve
 
-    options = ServeOptions(args.artifact, args.host, args.port, args.served_model_name, args.api_key or None, args.max_queue,
-                           args.drain_timeout, args.access_log, "info" if args.verbose else "warning")
+    options = ServeOptions(args.artifact, args.host, args.port, args.served_model_name, args.api_key or None,
+                           args.max_queue, args.drain_timeout, args.access_log, "info" if args.verbose else "warning")
     return serve(options, threads=args.threads, backend=args.backend, kv_cache_memory=args.kv_cache_memory,
                  kv_blocks=args.kv_blocks, max_batch=args.max_batch)
 

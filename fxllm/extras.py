@@ -1,6 +1,7 @@
 """The optional parts of an fxllm install. `pip install fxllm` is the runtime (load, generate, inspect, eval of an
-artifact); the `compile` extra adds what compiling needs, the `serve` extra the HTTP server. Code that needs an extra checks for it up front, so a
-missing package is one line naming the pip command instead of an ImportError deep inside a compile."""
+artifact); the `compile` extra adds what compiling needs, the `serve` extra the HTTP server. Code that needs an extra
+checks for it up front, so a missing package is one line naming the pip command instead of an ImportError deep
+inside a compile."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 | status | when |
 | --- | --- |
-| 400 | a body that is not JSON; a value the engine refuses (its one-line GenerationError, `param` from an InvalidArgumentError); an unsupported field |
+| 400 | not JSON; a value the engine refuses (its GenerationError's message; `param` of an InvalidArgumentError) |
+| 400 | an unsupported field, `n` out of range, more choices than the server admits at once |
 | 401 | a missing or wrong API key |
 | 404 | an unknown model or route |
 | 405 | a wrong method |

@@ -7,8 +7,8 @@ by the server as each request's outputs reach it (what a client sees, minus the 
 | metric | kind | meaning |
 | --- | --- | --- |
 | fxllm_num_requests_running / _waiting | gauge | requests holding KV cache / queued in the engine |
-| fxllm_num_requests_admitted | gauge | engine requests the server admitted and has not finished (the --max-queue check) |
-| fxllm_kv_blocks_used / _total | gauge | KV pool blocks in use (cached but free blocks count as free) / in the pool (paged artifacts) |
+| fxllm_num_requests_admitted | gauge | engine requests admitted and not finished (what --max-queue limits) |
+| fxllm_kv_blocks_used / _total | gauge | KV pool blocks in use (cached but free ones count as free) / in the pool |
 | fxllm_prefix_cache_hit_rate | gauge | prompt blocks found in the prefix cache / looked up, since start |
 | fxllm_prefix_cache_queries_total / _hits_total | counter | the same as counts |
 | fxllm_preemptions_total | counter | requests preempted for KV space |

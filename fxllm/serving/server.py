@@ -2,8 +2,9 @@
 
 The socket is bound first (a port in use is a one-line error before a long load), then the engine is loaded (a bad
 artifact or option is a one-line error; connections made meanwhile wait in the listen backlog), then uvicorn serves
-the app; the URL is printed on stdout once requests are accepted. SIGTERM (or Ctrl-C) stops accepting connections, lets running requests finish for up to
-`drain_timeout` seconds, aborts what is left, and returns 0 (Ctrl-C: the CLI's 130).
+the app; the URL is printed on stdout once requests are accepted. SIGTERM (or Ctrl-C) stops accepting connections,
+lets running requests finish for up to `drain_timeout` seconds, aborts what is left, and returns 0 (Ctrl-C: the
+CLI's 130).
 """
 
 from __future__ import annotations
