@@ -42,7 +42,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-import fxllm
 from decode import CACHE_DIR, ensure_artifact, script_main
 from fxllm.compiler.sources import resolve_source
 from fxllm.runtime.async_engine import AsyncEngine

@@ -21,7 +21,7 @@ from fxllm.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletion
 from fxllm.serving.run import GenerationRun
 from fxllm.serving.sampling import check_supported, choices_per_prompt, max_new_tokens, sampling_params
 from fxllm.serving.service import Choice, OpenAIService
-from fxllm.serving.streaming import EventStream, event, with_errors
+from fxllm.serving.streaming import EventStream, event, respond
 
 
 @dataclass
@@ -45,15 +45,8 @@ async def create_chat_completion(service: OpenAIService,
     params = sampling_params(request, n, max_new_tokens(requested, len(prompt_ids), service.max_context),
                              logprobs=top)
     writer = ChatWriter(service, request, len(prompt_ids), n, f"chatcmpl-{uuid.uuid4().hex}")
-    run = service.start([Choice(i, prompt_ids, params[i]) for i in range(n)], writer.id)
-    if request.stream:
-        return EventStream(with_errors(writer.events(run)), run)
-    try:
-        async for index, output in run:
-            writer.add(index, output)
-    finally:
-        run.close()
-    return writer.response()
+    return await respond(writer, service.start([Choice(i, prompt_ids, params[i]) for i in range(n)], writer.id),
+                         bool(request.stream))
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:

@@ -19,7 +19,7 @@ from fxllm.serving.protocol import CompletionChoice, CompletionLogprobs, Complet
 from fxllm.serving.run import GenerationRun
 from fxllm.serving.sampling import check_supported, choices_per_prompt, max_new_tokens, sampling_params
 from fxllm.serving.service import Choice, OpenAIService
-from fxllm.serving.streaming import EventStream, event, with_errors
+from fxllm.serving.streaming import EventStream, event, respond
 
 
 @dataclass
@@ -50,15 +50,7 @@ async def create_completion(service: OpenAIService, request: CompletionRequest) 
         params = sampling_params(request, n, limit, logprobs=top, prompt_logprobs=top if request.echo else None)
         choices += [Choice(p * n + i, prompt.token_ids, params[i]) for i in range(n)]
     writer = CompletionWriter(service, request, prompts, n, f"cmpl-{uuid.uuid4().hex}")
-    run = service.start(choices, writer.id)
-    if request.stream:
-        return EventStream(with_errors(writer.events(run)), run)
-    try:
-        async for index, output in run:
-            writer.add(index, output)
-    finally:
-        run.close()
-    return writer.response()
+    return await respond(writer, service.start(choices, writer.id), bool(request.stream))
 
 
 def read_prompts(service: OpenAIService, prompt) -> list[Prompt]:

@@ -39,6 +39,19 @@ class EventStream(StreamingResponse):
             self.run.close()
 
 
+async def respond(writer, run, stream: bool):
+    """A started run's response: an EventStream of the writer's chunks, or (not streaming) the writer's response
+    once every choice has finished. `writer` has `events(run)`, `add(index, output)` and `response()`."""
+    if stream:
+        return EventStream(with_errors(writer.events(run)), run)
+    try:
+        async for index, output in run:
+            writer.add(index, output)
+    finally:
+        run.close()
+    return writer.response()
+
+
 async def with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """The chunks, then [DONE]; an APIError midway becomes an error event before [DONE]."""
     try:
