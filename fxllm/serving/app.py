@@ -27,7 +27,12 @@ from fxllm.serving.service import OpenAIService
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 429, 500, 503)}
-_STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+# One server-sent event (OpenAPI before 3.2: the `schema` of an event stream describes each event).
+_EVENT = {"type": "object", "required": ["data"],
+          "properties": {"data": {"type": "string", "description": "a chunk as JSON (the response object with text or "
+                                  "delta pieces), an error body as JSON, or [DONE] last"},
+                         "event": {"type": "string"}}}
+_STREAMED = {200: {"content": {"text/event-stream": {"schema": _EVENT}},
                    "description": "the response, or its chunks as server-sent events with stream=true"}}
 
 

@@ -4,6 +4,7 @@ with a body that matches the schema of that status."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import httpx
@@ -17,7 +18,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
 
 from tests.serving.conftest import API_KEY, MODEL
 
-EXAMPLES = 20  # per operation and mode: the module takes seconds on the tiny model
+EXAMPLES = int(os.environ.get("FXLLM_FUZZ_EXAMPLES", 20))  # per operation and mode: seconds on the tiny model
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model}"), ("GET", "/health"), ("GET", "/metrics")]
