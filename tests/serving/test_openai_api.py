@@ -286,3 +286,16 @@ def test_error_statuses_through_the_client(client, server):
     assert httpx.post(f"{server.url}/completions", headers=headers, content=chunked()).status_code == 413
     assert error_of(httpx.get(f"{server.url}/nowhere", headers=headers))["param"] is None
     assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).choices[0].text is not None
+
+
+def test_two_services_in_one_process_keep_their_own_metrics(engine):
+    """Each service has a registry of its own (Ray runs several replicas' apps per process): no name collides, and
+    each renders its own counters."""
+    from fxllm.serving.metrics import ServingMetrics
+
+    first, second = ServingMetrics(engine.stats, {"model_name": "a"}), ServingMetrics(engine.stats, {"model_name": "a"})
+    first.finished("stop")
+    texts = [metrics.render()[0].decode() for metrics in (first, second)]
+    assert all("fxllm_kv_blocks_total" in text for text in texts)
+    assert 'fxllm_requests_total{finish_reason="stop",model_name="a"} 1.0' in texts[0]
+    assert "fxllm_requests_total{" not in texts[1]
