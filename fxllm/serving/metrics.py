@@ -14,7 +14,7 @@ by the server as each request's outputs reach it (what a client sees, minus the 
 | fxllm_preemptions_total | counter | requests preempted for KV space |
 | fxllm_prompt_tokens_total / fxllm_generation_tokens_total | counter | tokens of accepted prompts / tokens generated |
 | fxllm_requests_total{finish_reason} | counter | finished engine requests (one per choice) by finish reason |
-| fxllm_time_to_first_token_seconds | histogram | from the server admitting the request (parsed, tokenized) to its first token |
+| fxllm_time_to_first_token_seconds | histogram | from admission (body parsed, prompt tokenized) to the first token |
 | fxllm_inter_token_latency_seconds | histogram | between two outputs of a request, per token |
 | fxllm_e2e_request_latency_seconds | histogram | from admission to the last output |
 
