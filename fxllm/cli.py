@@ -125,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
     p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
     p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
-    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt"])
+    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt", "torch"])
+    p.add_argument("--device", default="cpu", help="backend torch: cpu (default), cuda or cuda:N")
+    p.add_argument("--torch-compile", action="store_true", help="backend torch: run the program through torch.compile")
+    _activation_flags(p)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)")
     p.add_argument("--access-log", action="store_true", help="log every request")
@@ -284,7 +287,8 @@ def cmd_serve(args) -> int:
     options = ServeOptions(args.artifact, args.host, args.port, args.served_model_name, args.api_key or None,
                            args.max_queue, args.drain_timeout, args.access_log, "info" if args.verbose else "warning")
     return serve(options, threads=args.threads, backend=args.backend, kv_cache_memory=args.kv_cache_memory,
-                 kv_blocks=args.kv_blocks, max_batch=args.max_batch)
+                 kv_blocks=args.kv_blocks, max_batch=args.max_batch, int8_activations=_activations(args),
+                 device=args.device, torch_compile=args.torch_compile)
 
 
 COMMANDS = {"compile": cmd_compile, "generate": cmd_generate, "inspect": cmd_inspect, "eval": cmd_eval,

@@ -10,7 +10,6 @@ that alone asks for more than that gets 400 (retrying would not help).
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 
 from fxllm.errors import GenerationError
@@ -83,10 +82,10 @@ class OpenAIService:
         return "ok" if self.engine.accepting else "shutting down"
 
     def check_choice(self, choice: Choice) -> None:
-        """Every check the engine core makes when the request is submitted (400 with its one-line message), made
-        before anything starts, so that a bad choice refuses the whole HTTP request."""
+        """The engine core's own checks of a request (400 with its one-line message, `param` from an
+        InvalidArgumentError), made before anything starts, so that a bad choice refuses the whole HTTP request."""
         try:
-            self.core.new_request(f"check-{uuid.uuid4().hex}", choice.prompt_ids, choice.params)
+            self.core.check(choice.prompt_ids, choice.params)
         except GenerationError as exc:
             raise bad_request(exc) from None
 

@@ -1,4 +1,4 @@
-"""Shared by the serving tests: a tiny paged artifact (compiled once per session), `fxllm serve` processes on
+"""Shared by the serving tests: the tiny paged artifact (compiled once per session), `fxllm serve` processes on
 127.0.0.1 with a free port (a real uvicorn server in a subprocess), and the in-process engine to compare with."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import pytest
 
 import fxllm
 
-PAGED = "cleanup,gqa,fuse-projections,select-logits,kv-cache,paged"
 API_KEY = "sk-fxllm-test"
 MODEL = "tiny"
 FXLLM = str(Path(sys.executable).with_name("fxllm"))
@@ -88,11 +87,9 @@ def wait_until(condition, timeout: float = 10.0, interval: float = 0.02):
 
 
 @pytest.fixture(scope="session")
-def serve_artifact(make_tiny_model, tmp_path_factory) -> Path:
-    """A tiny random-weight Llama with SmolLM2's tokenizer, compiled paged (continuous batching)."""
-    output = tmp_path_factory.mktemp("serve") / "artifact"
-    fxllm.compile(make_tiny_model("llama"), output, passes=PAGED)
-    return output
+def serve_artifact(tiny_paged_artifact) -> Path:
+    """The suite's tiny random-weight Llama with SmolLM2's tokenizer, compiled paged (continuous batching)."""
+    return tiny_paged_artifact
 
 
 @pytest.fixture(scope="session")

@@ -236,13 +236,13 @@ def error_of(response: httpx.Response) -> dict:
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, None),
-    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, None),
-    ({"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, None),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
-    ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, 400, None),
+    ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 422, "max_tokens"),
     ({"model": MODEL, "prompt": {"text": "x"}}, 422, "prompt"),
