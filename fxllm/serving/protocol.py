@@ -97,16 +97,19 @@ class CompletionChoice(BaseModel):
     finish_reason: Optional[Literal["stop", "length"]] = None  # null in stream chunks before the last
 
 
-class CompletionResponse(BaseModel):
-    """A completion, and also each chunk of a streamed one (the reference uses the same object for both)."""
-
+class _Response(BaseModel):
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     system_fingerprint: Optional[str] = None
     usage: Optional[Usage] = None
+
+
+class CompletionResponse(_Response):
+    """A completion, and also each chunk of a streamed one (the reference uses the same object for both)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -137,36 +140,11 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"]
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
+    """A chat completion (streamed: `chat.completion.chunk` objects with `delta`s, built in chat.py)."""
+
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    system_fingerprint: Optional[str] = None
-    usage: Optional[Usage] = None
-
-
-class DeltaMessage(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    system_fingerprint: Optional[str] = None
-    usage: Optional[Usage] = None
 
 
 class ModelCard(BaseModel):
