@@ -1,4 +1,4 @@
-"""The `fxllm` command: compile, generate, inspect, eval, passes. Errors are one line; -v adds the traceback.
+"""The `fxllm` command: compile, generate, inspect, eval, passes, serve. Errors are one line; -v adds the traceback.
 
 Exit status: 0 success; 1 a failure the user caused or can fix (a bad argument or file, an artifact or output
 directory fxllm must refuse, permission denied, disk full, out of memory); 2 a bug in fxllm (an internal error);
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 import time
 import traceback
@@ -110,6 +111,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     commands.add_parser("passes", help="list the available passes")
+
+    p = commands.add_parser("serve", help="serve an artifact over HTTP with the OpenAI API (the `serve` extra)")
+    p.add_argument("artifact")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the artifact directory's name)")
+    p.add_argument("--api-key", default=os.environ.get("FXLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $FXLLM_API_KEY, else none)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait beyond --max-batch before new ones get 429 (default 256)")
+    p.add_argument("--max-batch", type=int, default=64, help="most requests decoded at once (default 64)")
+    p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
+    p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt", "torch"])
+    p.add_argument("--device", default="cpu", help="backend torch: cpu (default), cuda or cuda:N")
+    p.add_argument("--torch-compile", action="store_true", help="backend torch: run the program through torch.compile")
+    _activation_flags(p)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)")
+    p.add_argument("--access-log", action="store_true", help="log every request")
     return parser
 
 
@@ -256,8 +278,21 @@ def cmd_passes(args) -> None:
             print(f"    option {option} ({kind.__name__}, default {info.option_defaults.get(option)!r})")
 
 
+def cmd_serve(args) -> int:
+    from fxllm.extras import require_serving
+
+    require_serving()
+    from fxllm.serving.server import ServeOptions, serve
+
+    options = ServeOptions(args.artifact, args.host, args.port, args.served_model_name, args.api_key or None,
+                           args.max_queue, args.drain_timeout, args.access_log, "info" if args.verbose else "warning")
+    return serve(options, threads=args.threads, backend=args.backend, kv_cache_memory=args.kv_cache_memory,
+                 kv_blocks=args.kv_blocks, max_batch=args.max_batch, int8_activations=_activations(args),
+                 device=args.device, torch_compile=args.torch_compile)
+
+
 COMMANDS = {"compile": cmd_compile, "generate": cmd_generate, "inspect": cmd_inspect, "eval": cmd_eval,
-            "passes": cmd_passes, "build-engine": cmd_build_engine}
+            "passes": cmd_passes, "build-engine": cmd_build_engine, "serve": cmd_serve}
 
 
 def _quiet_libraries() -> None:

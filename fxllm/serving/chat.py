@@ -1,0 +1,124 @@
+"""POST /v1/chat/completions: `messages` through the artifact's chat template (as Engine.generate(chat=True)
+renders a conversation) → `n` assistant messages, as one JSON body or as server-sent events (a first chunk per
+choice with the role, content deltas, a last chunk per choice with the finish reason).
+
+Message content is a string or a list of text parts (joined with newlines); a `developer` message is given to the
+template as `system` (templates written before that role know only `system`). `max_completion_tokens` (or its
+deprecated alias `max_tokens`) defaults to what the context leaves after the prompt.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fxllm.serving.errors import APIError
+from fxllm.serving.logprobs import chat_logprobs
+from fxllm.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                    ChatMessage, ChoiceLogprobs, TokenLogprob, Usage)
+from fxllm.serving.run import GenerationRun
+from fxllm.serving.sampling import check_supported, choices_per_prompt, max_new_tokens, sampling_params
+from fxllm.serving.service import Choice, OpenAIService
+from fxllm.serving.streaming import EventStream, event, respond
+
+
+@dataclass
+class _ChoiceState:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    output_tokens: int = 0
+
+
+async def create_chat_completion(service: OpenAIService,
+                                 request: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
+    service.check_model(request.model)
+    check_supported(request)
+    n = choices_per_prompt(request.n)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    top = (request.top_logprobs or 0) if request.logprobs else None
+    prompt_ids = service.encode_chat(template_messages(request.messages))
+    requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    params = sampling_params(request, n, max_new_tokens(requested, len(prompt_ids), service.max_context),
+                             logprobs=top)
+    writer = ChatWriter(service, request, len(prompt_ids), n, f"chatcmpl-{uuid.uuid4().hex}")
+    return await respond(writer, service.start([Choice(i, prompt_ids, params[i]) for i in range(n)], writer.id),
+                         bool(request.stream))
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The conversation as the plain dicts a chat template reads (an empty one is refused by the template's
+    renderer)."""
+    plain = []
+    for message in messages:
+        item = {"role": "system" if message.role == "developer" else message.role}
+        content = message.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        item["content"] = "" if content is None else content
+        if message.name is not None:
+            item["name"] = message.name
+        plain.append(item)
+    return plain
+
+
+class ChatWriter:
+    """Builds the response (or its chunks) from the merged outputs of a request's choices."""
+
+    def __init__(self, service: OpenAIService, request: ChatCompletionRequest, prompt_tokens: int, n: int,
+                 response_id: str):
+        self.service, self.request, self.prompt_tokens = service, request, prompt_tokens
+        self.id, self.created = response_id, int(time.time())
+        self.states = [_ChoiceState() for _ in range(n)]
+
+    def add(self, index: int, output) -> list[TokenLogprob] | None:
+        """Record one output of choice `index`; returns its logprobs (OpenAI shape) if requested."""
+        state = self.states[index]
+        state.text.append(output.text_delta)
+        logprobs = None
+        if output.logprobs is not None:
+            logprobs = chat_logprobs(self.service.token_texts, output.logprobs)
+            state.logprobs += logprobs
+        if output.finished:
+            state.finish_reason, state.output_tokens = output.finish_reason, output.num_output_tokens
+        return logprobs
+
+    def usage(self) -> Usage:
+        completion_tokens = sum(s.output_tokens for s in self.states)
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=self.prompt_tokens + completion_tokens)
+
+    def response(self) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(s.text)),
+                              logprobs=ChoiceLogprobs(content=s.logprobs) if self.request.logprobs else None,
+                              finish_reason=s.finish_reason)
+                   for i, s in enumerate(self.states)]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.request.model, choices=choices,
+                                      usage=self.usage())
+
+    async def events(self, run: GenerationRun) -> AsyncIterator[str]:
+        include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
+        for index in range(len(self.states)):
+            yield event(self._chunk(index, {"role": "assistant", "content": ""}, None, None, include_usage))
+        async for index, output in run:
+            logprobs = self.add(index, output)
+            if output.text_delta or logprobs:
+                yield event(self._chunk(index, {"content": output.text_delta}, logprobs, None, include_usage))
+            if output.finished:
+                yield event(self._chunk(index, {}, None, output.finish_reason, include_usage))
+        if include_usage:
+            yield event({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                         "model": self.request.model, "choices": [], "usage": self.usage().model_dump()})
+
+    def _chunk(self, index: int, delta: dict, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+               include_usage: bool) -> dict:
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
+                  "logprobs": None if logprobs is None else {"content": [p.model_dump() for p in logprobs]}}
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.request.model, "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = None
+        return chunk

@@ -1,0 +1,135 @@
+"""POST /v1/completions: a prompt (a string, a list of strings, a list of token ids, or a list of those) → `n`
+choices per prompt, choice `prompt_index * n + i`, as one JSON body or as server-sent events.
+
+`echo` puts the prompt in front of each choice's text (with `logprobs`, the prompt tokens' logprobs too; the first
+prompt token has none). `usage` counts each prompt once and every choice's generated tokens.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fxllm.serving.errors import APIError
+from fxllm.serving.logprobs import (TokenTexts, completion_logprobs, end_offset, first_prompt_position,
+                                    merge)
+from fxllm.serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from fxllm.serving.run import GenerationRun
+from fxllm.serving.sampling import check_supported, choices_per_prompt, max_new_tokens, sampling_params
+from fxllm.serving.service import Choice, OpenAIService
+from fxllm.serving.streaming import EventStream, event, respond
+
+
+@dataclass
+class Prompt:
+    text: str | None  # a text prompt (None: token ids, which echo decodes once the engine has checked them)
+    token_ids: list[int]
+
+
+@dataclass
+class _ChoiceState:
+    text: list[str] = field(default_factory=list)
+    logprobs: CompletionLogprobs | None = None
+    offset: int = 0  # characters of the choice's text so far (logprobs' text_offset)
+    started: bool = False
+    finish_reason: str | None = None
+    output_tokens: int = 0
+
+
+async def create_completion(service: OpenAIService, request: CompletionRequest) -> CompletionResponse | EventStream:
+    service.check_model(request.model)
+    check_supported(request)
+    n = choices_per_prompt(request.n)
+    prompts = read_prompts(service, request.prompt)
+    top = request.logprobs
+    choices = []
+    for p, prompt in enumerate(prompts):
+        limit = max_new_tokens(request.max_tokens, len(prompt.token_ids), service.max_context)
+        params = sampling_params(request, n, limit, logprobs=top, prompt_logprobs=top if request.echo else None)
+        choices += [Choice(p * n + i, prompt.token_ids, params[i]) for i in range(n)]
+    writer = CompletionWriter(service, request, prompts, n, f"cmpl-{uuid.uuid4().hex}")
+    return await respond(writer, service.start(choices, writer.id), bool(request.stream))
+
+
+def read_prompts(service: OpenAIService, prompt) -> list[Prompt]:
+    if isinstance(prompt, str):
+        return [Prompt(prompt, service.encode(prompt))]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(item, int) for item in prompt):
+        return [Prompt(None, list(prompt))]
+    if all(isinstance(item, str) for item in prompt):
+        return [Prompt(text, service.encode(text)) for text in prompt]
+    return [Prompt(None, list(ids)) for ids in prompt]
+
+
+class CompletionWriter:
+    """Builds the response (or its chunks) from the merged outputs of a request's choices."""
+
+    def __init__(self, service: OpenAIService, request: CompletionRequest, prompts: list[Prompt], n: int,
+                 response_id: str):
+        self.service, self.request, self.prompts, self.n = service, request, prompts, n
+        self.id, self.created = response_id, int(time.time())
+        self.texts: TokenTexts = service.token_texts
+        self.states = [_ChoiceState() for _ in range(len(prompts) * n)]
+
+    def add(self, index: int, output) -> tuple[str, CompletionLogprobs | None]:
+        """Record one output of choice `index`; returns its new text and logprobs."""
+        state = self.states[index]
+        text, logprobs = output.text_delta, None
+        if not state.started:
+            state.started = True
+            if self.request.echo:
+                prompt = self.prompts[index // self.n]
+                if prompt.text is None:
+                    prompt.text = self.service.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+                text = prompt.text + text
+                if self.request.logprobs is not None and output.prompt_logprobs is not None:
+                    first = first_prompt_position(self.texts, prompt.token_ids[0])
+                    logprobs = merge(first, completion_logprobs(self.texts, output.prompt_logprobs[1:],
+                                                                end_offset(first)))
+                state.offset = len(prompt.text)
+        if output.logprobs is not None:
+            generated = completion_logprobs(self.texts, output.logprobs, state.offset)
+            state.offset = end_offset(generated) if generated.tokens else state.offset
+            logprobs = generated if logprobs is None else merge(logprobs, generated)
+        state.text.append(text)
+        if logprobs is not None:
+            state.logprobs = logprobs if state.logprobs is None else merge(state.logprobs, logprobs)
+        if output.finished:
+            state.finish_reason, state.output_tokens = output.finish_reason, output.num_output_tokens
+        return text, logprobs
+
+    def usage(self) -> Usage:
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        completion_tokens = sum(s.output_tokens for s in self.states)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+    def response(self) -> CompletionResponse:
+        choices = [CompletionChoice(index=i, text="".join(s.text), finish_reason=s.finish_reason,
+                                    logprobs=s.logprobs if self.request.logprobs is not None else None)
+                   for i, s in enumerate(self.states)]
+        return CompletionResponse(id=self.id, created=self.created, model=self.request.model, choices=choices,
+                                  usage=self.usage())
+
+    async def events(self, run: GenerationRun) -> AsyncIterator[str]:
+        include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
+        async for index, output in run:
+            text, logprobs = self.add(index, output)
+            if text or logprobs is not None or output.finished:
+                choice = {"index": index, "text": text,
+                          "logprobs": None if logprobs is None else logprobs.model_dump(),
+                          "finish_reason": output.finish_reason if output.finished else None}
+                yield event(self._chunk([choice], include_usage))
+        if include_usage:
+            yield event({**self._chunk([], False), "usage": self.usage().model_dump()})
+
+    def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
+        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.request.model,
+                 "choices": choices}
+        if include_usage:
+            chunk["usage"] = None
+        return chunk

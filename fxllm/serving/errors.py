@@ -1,0 +1,124 @@
+"""Errors as the OpenAI API returns them: `{"error": {"message", "type", "param", "code"}}` with a fitting status.
+
+| status | when |
+| --- | --- |
+| 400 | not JSON; a value the engine refuses (its GenerationError's message; `param` of an InvalidArgumentError) |
+| 400 | an unsupported field, `n` out of range, more choices than the server admits at once |
+| 401 | a missing or wrong API key |
+| 404 | an unknown model or route |
+| 405 | a wrong method |
+| 413 | a body over the size limit |
+| 422 | a JSON body that does not fit the schema (wrong types, missing fields) |
+| 429 | the request queue is full (retry later) |
+| 500 | a model call failed, or a bug: a one-line message, never a traceback (the server log has it) |
+| 503 | the server is shutting down |
+
+`install_error_handlers(app)` maps every exception an app raises to such a body, so no client ever sees a stack
+trace and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fxllm.errors import FxllmError
+
+logger = logging.getLogger("fxllm.serving")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|^[a-z_-]+\[.*\]$")  # pydantic's union members in a loc
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
+def bad_request(exc: FxllmError) -> APIError:
+    """An engine refusal (GenerationError / InvalidArgumentError: one line) as a 400."""
+    return APIError(400, str(exc), param=getattr(exc, "param", None))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(FxllmError, _fxllm_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        context = first.get("ctx") or {}
+        reason = context.get("error") or first.get("msg", "invalid JSON")
+        return APIError(400, f"the request body is not valid JSON: {reason}").response()
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _UNION_TAG.match(str(part))]
+    param = ".".join(location) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "missing":
+        message = f"missing required parameter '{param}'"
+    elif param:
+        message = f"invalid value for '{param}': {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return APIError(422, _one_line(message), param=param).response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    status = exc.status_code
+    message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    if status == 404:
+        message = f"no route {request.method} {request.url.path}"
+    elif status == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    elif not message:
+        message = HTTPStatus(status).phrase
+    code = "request_too_large" if status == 413 else None
+    response = APIError(status, _one_line(message), code=code).response()
+    for name, value in (exc.headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
+async def _fxllm_error(request: Request, exc: FxllmError) -> JSONResponse:
+    return bad_request(exc).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__} (details are in the server log)").response()
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())

@@ -1,0 +1,72 @@
+"""The engine's TokenLogprobs in the OpenAI shapes: completions (`tokens`, `token_logprobs`, `top_logprobs` as
+{token text: logprob}, `text_offset`) and chat (`content`: token, logprob, UTF-8 bytes, top_logprobs).
+
+A token's text is the bytes it adds to the text (tokenizer.token_bytes), decoded as UTF-8; a token holding part of
+a multi-byte character is written `bytes:\\xNN...` as the OpenAI API does. In the completions shape the chosen token
+is always among `top_logprobs` (so a position may list N + 1 tokens, as the reference says); tokens whose texts
+coincide share one key there.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from fxllm.runtime.request import TokenLogprobs
+from fxllm.serving.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+
+
+class TokenTexts:
+    """Token id → (text, bytes), cached per tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.text = lru_cache(maxsize=65536)(self._text)
+
+    def bytes(self, token_id: int) -> bytes:
+        return self.tokenizer.token_bytes(token_id)
+
+    def _text(self, token_id: int) -> str:
+        raw = self.bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def completion_logprobs(texts: TokenTexts, positions: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+    """Positions from character `offset` of the choice's text on."""
+    result = CompletionLogprobs()
+    for position in positions:
+        token = texts.text(position.token_id)
+        top = {texts.text(i): lp for i, lp in position.top}
+        top.setdefault(token, position.logprob)
+        result.tokens.append(token)
+        result.token_logprobs.append(position.logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def first_prompt_position(texts: TokenTexts, token_id: int) -> CompletionLogprobs:
+    """The first prompt token (echo): its text, no logprob."""
+    token = texts.text(token_id)
+    return CompletionLogprobs(tokens=[token], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+
+
+def merge(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs +
+                              b.token_logprobs, tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs +
+                              b.top_logprobs)
+
+
+def end_offset(logprobs: CompletionLogprobs) -> int:
+    """The character offset after the last token."""
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else 0
+
+
+def chat_logprobs(texts: TokenTexts, positions: list[TokenLogprobs]) -> list[TokenLogprob]:
+    return [TokenLogprob(token=texts.text(p.token_id), logprob=p.logprob, bytes=list(texts.bytes(p.token_id)),
+                         top_logprobs=[TopLogprob(token=texts.text(i), logprob=lp, bytes=list(texts.bytes(i)))
+                                       for i, lp in p.top])
+            for p in positions]

@@ -1,0 +1,71 @@
+"""Two guards in front of the routes, as plain ASGI middleware so that they act before the body is read or parsed:
+the API key (401 for /v1/ routes without `Authorization: Bearer KEY`; compared in constant time) and the body size
+limit (413 from the Content-Length header, or once the bytes received pass it)."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from fxllm.serving.errors import APIError
+
+PROTECTED_PREFIX = "/v1/"
+
+
+class APIKeyGuard:
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+            given = _header(scope, b"authorization")
+            if given is None or not hmac.compare_digest(given, self.expected):
+                reason = "missing" if given is None else "wrong"
+                error = APIError(401, f"{reason} API key: send the header 'Authorization: Bearer <key>' with the "
+                                      "key the server was started with", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and not declared.isdigit():
+            await APIError(400, "the Content-Length header is not a number").response()(scope, receive, send)
+            return
+        if declared is not None and int(declared) > self.max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # a chunked body with no length: the error handlers answer 413
+                    raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than the server's limit of {self.max_bytes:,} bytes",
+                        code="request_too_large")
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None

@@ -1,0 +1,65 @@
+"""OpenAI request fields → the engine's SamplingParams, one per choice. Values are checked by SamplingParams and the
+engine core themselves (their one-line messages become 400s); this module checks only what exists over HTTP alone
+(`n`, the fields fxllm does not implement).
+
+Seeds: choice i of a request samples with `seed + i`, so the n choices differ from each other and the same request
+with the same seed gives the same choices again. Without a seed every choice samples from fresh entropy.
+"""
+
+from __future__ import annotations
+
+from fxllm.errors import GenerationError
+from fxllm.runtime.request import SamplingParams
+from fxllm.serving.errors import APIError, bad_request
+from fxllm.serving.protocol import ChatCompletionRequest, CompletionRequest
+from fxllm.serving.service import MAX_CHOICES
+
+
+def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse (400, naming the field) the reference's fields that fxllm does not implement, unless at their
+    defaults."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(request, name) not in (None, 0):
+            raise APIError(400, f"{name} is not supported by fxllm; leave it at 0", param=name)
+    if request.logit_bias:
+        raise APIError(400, "logit_bias is not supported by fxllm", param="logit_bias")
+    if isinstance(request, CompletionRequest):
+        if request.suffix:
+            raise APIError(400, "suffix is not supported by fxllm", param="suffix")
+        if request.best_of is not None and request.best_of != (request.n or 1):
+            raise APIError(400, "best_of is not supported by fxllm; leave it unset (or equal to n)", param="best_of")
+        return
+    if request.tools or request.tool_choice not in (None, "none"):
+        raise APIError(400, "tools are not supported by fxllm's server", param="tools")
+    if request.response_format not in (None, {"type": "text"}):
+        raise APIError(400, "response_format other than {'type': 'text'} is not supported by fxllm",
+                       param="response_format")
+
+
+def choices_per_prompt(n: int | None) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
+    return n
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, n: int, max_tokens: int,
+                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[SamplingParams]:
+    """The n choices' SamplingParams for one prompt."""
+    top_k = 0 if request.top_k in (None, -1) else request.top_k
+    stop = () if request.stop is None else request.stop
+    try:
+        return [SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
+                               top_k=top_k, top_p=1.0 if request.top_p is None else request.top_p,
+                               seed=None if request.seed is None else request.seed + i, max_tokens=max_tokens,
+                               stop=stop, ignore_eos=bool(request.ignore_eos), logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs)
+                for i in range(n)]
+    except GenerationError as exc:
+        raise bad_request(exc) from None
+
+
+def max_new_tokens(requested: int | None, prompt_length: int, max_context: int) -> int:
+    """The request's max_tokens, or what the context leaves after the prompt (at least 1, so that a prompt with
+    no room gets the engine's own message)."""
+    return max(max_context - prompt_length, 1) if requested is None else requested

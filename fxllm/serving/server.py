@@ -1,0 +1,100 @@
+"""`fxllm serve`: one artifact behind the OpenAI API on uvicorn.
+
+The socket is bound first (a port in use is a one-line error before a long load), then the engine is loaded (a bad
+artifact or option is a one-line error; connections made meanwhile wait in the listen backlog), then uvicorn serves
+the app; the URL is printed on stdout once requests are accepted. SIGTERM (or Ctrl-C) stops accepting connections,
+lets running requests finish for up to `drain_timeout` seconds, aborts what is left, and returns 0 (Ctrl-C: the
+CLI's 130).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from fxllm.errors import FxllmError
+
+logger = logging.getLogger("fxllm.serving")
+
+
+@dataclass
+class ServeOptions:
+    artifact: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int | None = 256
+    drain_timeout: float = 30.0
+    access_log: bool = False
+    log_level: str = "warning"
+
+
+def serve(options: ServeOptions, **engine_options) -> int:
+    """Load the artifact (engine_options go to fxllm.load), serve until SIGTERM/SIGINT, return the exit status."""
+    import uvicorn
+
+    import fxllm
+    from fxllm.runtime.async_engine import AsyncEngine
+    from fxllm.serving.app import create_app
+    from fxllm.serving.service import OpenAIService, ServingConfig
+
+    if not 0 <= options.port <= 65535:
+        raise FxllmError(f"--port must be between 0 and 65535, got {options.port}")
+    if options.drain_timeout < 0:
+        raise FxllmError(f"--drain-timeout must be >= 0 seconds, got {options.drain_timeout}")
+    name = options.served_model_name or Path(options.artifact).resolve().name
+    config = ServingConfig((name,), options.max_queue)
+    sock = _bind(options.host, options.port)  # first: a port in use fails before a long load
+    try:
+        engine = fxllm.load(options.artifact, **engine_options)
+    except BaseException:
+        sock.close()
+        raise
+    service = OpenAIService(AsyncEngine(engine), config)
+    app = create_app(lambda: service, api_key=options.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log,
+                                           lifespan="off", timeout_graceful_shutdown=options.drain_timeout))
+    # uvicorn re-raises the signal that stopped it once it has drained; with this handler in place beforehand, a
+    # SIGTERM then ends the process normally (exit 0) instead of killing it.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        asyncio.run(_run(server, service, sock, name))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+async def _run(server, service, sock: socket.socket, name: str) -> None:
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"fxllm: serving '{name}' at http://{shown}:{port}/v1 (OpenAI API; SIGTERM or Ctrl-C stops)",
+              flush=True)
+    try:
+        await serving
+    finally:
+        aborted = await service.engine.shutdown(drain_timeout=0)  # uvicorn has drained: abort anything left
+        if aborted:
+            logger.warning("aborted %d unfinished requests at shutdown", aborted)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        raise FxllmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock

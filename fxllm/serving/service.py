@@ -1,0 +1,148 @@
+"""The served model behind the HTTP routes: one AsyncEngine (one engine core), the names it answers to, admission
+(--max-queue), tokenization and the per-service metrics. The routes (app.py) get it from an injected provider, so
+`fxllm serve` and a Ray Serve replica (#13) each own one and share the route code.
+
+Admission counts engine requests (an HTTP request with `n` choices over `P` prompts is n × P of them): at most
+`max_batch + max_queue` are admitted at once; more get 429 while that many are unfinished, and an HTTP request
+that alone asks for more than that gets 400 (retrying would not help).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fxllm.errors import GenerationError
+from fxllm.runtime.async_engine import AsyncEngine
+from fxllm.runtime.request import SamplingParams
+from fxllm.serving.errors import APIError, bad_request
+from fxllm.serving.logprobs import TokenTexts
+from fxllm.serving.metrics import ServingMetrics
+from fxllm.serving.run import GenerationRun
+
+MAX_CHOICES = 128  # most choices (`n`) per request, as the OpenAI API allows
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """model_names: the names requests may use (the first is the one reported); max_queue: engine requests that
+    may wait for a batch slot beyond `max_batch` (None: no limit)."""
+
+    model_names: tuple[str, ...]
+    max_queue: int | None = 256
+
+    def __post_init__(self) -> None:
+        if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
+            raise GenerationError("the served model needs at least one non-empty name")
+        if self.max_queue is not None and (isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int)
+                                           or self.max_queue < 0):
+            raise GenerationError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One engine request of an HTTP request: choice `index` of the response."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class OpenAIService:
+    def __init__(self, engine: AsyncEngine, config: ServingConfig, metric_labels: dict[str, str] | None = None):
+        self.engine = engine
+        self.config = config
+        self.core = engine.engine.core
+        self.tokenizer = engine.engine.tokenizer
+        self.max_context: int = engine.engine.max_context
+        self.max_batch: int = engine.engine.max_batch
+        self.created = int(time.time())
+        labels = {"model_name": self.model_id} if metric_labels is None else metric_labels
+        self.metrics = ServingMetrics(engine.stats, labels)
+        self.token_texts = TokenTexts(self.tokenizer)
+        self._admitted = 0
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model_names[0]
+
+    # -- checks -------------------------------------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name not in self.config.model_names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.config.model_names)}", param="model",
+                           code="model_not_found")
+
+    def check_accepting(self) -> None:
+        if not self.engine.accepting:
+            raise APIError(503, "the server is shutting down and accepts no new requests")
+
+    def health(self) -> str:
+        return "ok" if self.engine.accepting else "shutting down"
+
+    def check_choice(self, choice: Choice) -> None:
+        """The engine core's own checks of a request (400 with its one-line message, `param` from an
+        InvalidArgumentError), made before anything starts, so that a bad choice refuses the whole HTTP request."""
+        try:
+            self.core.check(choice.prompt_ids, choice.params)
+        except GenerationError as exc:
+            raise bad_request(exc) from None
+
+    # -- tokenization -------------------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """A completion prompt's token ids, as Engine.generate tokenizes it."""
+        try:
+            return self.core.encode(text)
+        except GenerationError as exc:
+            raise bad_request(exc) from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A conversation through the model's chat template, as Engine.generate(chat=True) tokenizes it."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        except GenerationError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+
+    # -- admission ----------------------------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int | None:
+        return None if self.config.max_queue is None else self.max_batch + self.config.max_queue
+
+    def check_size(self, count: int) -> None:
+        """400 for an HTTP request that alone asks for more engine requests than the server ever admits at once."""
+        capacity = self.capacity
+        if capacity is not None and count > capacity:
+            raise APIError(400, f"this request asks for {count} completions at once; the server runs at most "
+                                f"{capacity} (max_batch {self.max_batch} + max_queue {self.config.max_queue})",
+                           param="n")
+
+    def admit(self, count: int) -> None:
+        """Count `count` engine requests in, or 429 while the server has too many unfinished."""
+        capacity = self.capacity
+        if capacity is not None and self._admitted + count > capacity:
+            raise APIError(429, f"the server is busy: {self._admitted} requests are running or queued, at most "
+                                f"{capacity}; retry later", code="queue_full")
+        self._admitted += count
+        self.metrics.admitted.set(self._admitted)
+
+    def release(self, count: int = 1) -> None:
+        self._admitted -= count
+        self.metrics.admitted.set(self._admitted)
+
+    @property
+    def admitted(self) -> int:
+        return self._admitted
+
+    def start(self, choices: list[Choice], request_id: str) -> GenerationRun:
+        """Check every choice (a bad one refuses them all: 400), admit them together (429) and start them; returns
+        the running GenerationRun."""
+        self.check_accepting()
+        self.check_size(len(choices))
+        for choice in choices:
+            self.check_choice(choice)
+        self.admit(len(choices))
+        return GenerationRun(self, choices, request_id)

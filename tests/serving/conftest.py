@@ -1,0 +1,110 @@
+"""Shared by the serving tests: the tiny paged artifact (compiled once per session), `fxllm serve` processes on
+127.0.0.1 with a free port (a real uvicorn server in a subprocess), and the in-process engine to compare with."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fxllm
+
+API_KEY = "sk-fxllm-test"
+MODEL = "tiny"
+FXLLM = str(Path(sys.executable).with_name("fxllm"))
+
+
+class ServerProcess:
+    """`fxllm serve ARTIFACT --port 0 ...` in a subprocess; `url` is the printed base URL (…/v1)."""
+
+    def __init__(self, artifact: Path, *options: str, log: Path, env: dict | None = None, timeout: float = 120):
+        self.log = log
+        with open(log, "w") as stderr:
+            self.proc = subprocess.Popen([FXLLM, "serve", str(artifact), "--port", "0", *options], env=env,
+                                         stdout=subprocess.PIPE, stderr=stderr, text=True)
+        line = self._first_line(timeout)
+        match = re.search(r"http://\S+/v1", line)
+        if match is None:
+            self.proc.kill()
+            raise RuntimeError(f"the server did not start: {line!r}\n{log.read_text()}")
+        self.url = match.group(0)
+        self.root = self.url[:-len("/v1")]
+
+    def _first_line(self, timeout: float) -> str:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self.proc.stdout.readline() if ready else ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def rss_bytes(self) -> int:
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {series: value}; a series is its name, followed by its labels other than model_name as
+        `{key=value,...}` when it has any (e.g. `fxllm_requests_total{finish_reason=abort}`)."""
+        import httpx
+
+        text = httpx.get(f"{self.root}/metrics", timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                series, value = line.rsplit(" ", 1)
+                name, _, labels = series.partition("{")
+                pairs = [pair.replace('"', "") for pair in labels.rstrip("}").split(",") if pair]
+                pairs = [pair for pair in pairs if not pair.startswith("model_name=")]
+                values[name + (f"{{{','.join(pairs)}}}" if pairs else "")] = float(value)
+        return values
+
+
+def wait_until(condition, timeout: float = 10.0, interval: float = 0.02):
+    """Poll until condition() is truthy; returns it (or the last falsy value after the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def serve_artifact(tiny_paged_artifact) -> Path:
+    """The suite's tiny random-weight Llama with SmolLM2's tokenizer, compiled paged (continuous batching)."""
+    return tiny_paged_artifact
+
+
+@pytest.fixture(scope="session")
+def engine(serve_artifact):
+    """The in-process engine on the same artifact: what HTTP results are compared with."""
+    return fxllm.load(serve_artifact)
+
+
+@pytest.fixture(scope="session")
+def server(serve_artifact, tmp_path_factory):
+    """The shared server: API key set, 16 requests decoded at once plus 48 queued, a small KV pool (2 MB: the
+    memory test touches all of it in its warm-up round)."""
+    process = ServerProcess(serve_artifact, "--served-model-name", MODEL, "--api-key", API_KEY, "--max-batch", "16",
+                            "--max-queue", "48", "--kv-cache-memory", "2MB", "--threads", "1",
+                            log=tmp_path_factory.mktemp("server") / "stderr.log",
+                            env={**os.environ, "FXLLM_API_KEY": ""})
+    yield process
+    assert process.terminate() == 0, process.log.read_text()

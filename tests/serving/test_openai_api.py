@@ -1,0 +1,301 @@
+"""The OpenAI API of `fxllm serve`, driven by the official `openai` client (sync and async) against a real server:
+greedy text equals the in-process engine's, streaming equals non-streaming, `n`, stop strings, seeds, logprobs
+(equal to the engine's own), usage numbers, and every error status with the OpenAI error body."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from fxllm.runtime.request import SamplingParams
+from tests.conftest import PROMPTS
+from tests.serving.conftest import API_KEY, MODEL
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def greedy(engine, prompt: str, max_tokens: int, chat: bool = False):
+    return engine.generate(prompt, max_new_tokens=max_tokens, temperature=0.0, chat=chat)
+
+
+def token_text(tokenizer):
+    """A token as the OpenAI API writes it: its bytes as UTF-8, or `bytes:\\xNN` for part of a character."""
+
+    def text(token_id: int) -> str:
+        raw = tokenizer.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    return text
+
+
+def openai_finish(result) -> str:
+    return "length" if result.finish_reason in ("length", "context") else "stop"
+
+
+# -- completions ------------------------------------------------------------------------------------------------------
+
+
+def test_completions_greedy_equal_the_engine(client, engine):
+    """One prompt per request and all prompts in one request (choice i is prompt i): text, finish reason and usage
+    as the in-process engine gives them."""
+    expected = [greedy(engine, prompt, 12) for prompt in PROMPTS]
+    for prompt, result in zip(PROMPTS, expected):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        choice = response.choices[0]
+        assert (choice.text, choice.finish_reason) == (result.text, openai_finish(result))
+        assert response.usage.prompt_tokens == len(engine.encode(prompt))
+        assert response.usage.completion_tokens == len(result.token_ids)
+        assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+        assert response.object == "text_completion" and response.model == MODEL
+    batch = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.index for c in batch.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in batch.choices] == [r.text for r in expected]
+    assert batch.usage.prompt_tokens == sum(len(engine.encode(p)) for p in PROMPTS)
+    assert batch.usage.completion_tokens == sum(len(r.token_ids) for r in expected)
+
+
+def test_token_id_prompts_and_echo(client, engine):
+    ids = [engine.encode(prompt) for prompt in PROMPTS[:2]]
+    by_text = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    one = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=6, temperature=0)
+    assert [c.text for c in by_ids.choices] == [c.text for c in by_text.choices]
+    assert one.choices[0].text == by_text.choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + by_text.choices[0].text
+
+
+def test_streamed_completion_equals_the_response(client):
+    prompt = PROMPTS[1]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert len(text_chunks) > 1  # streamed piece by piece
+    assert [c.choices[0].finish_reason for c in text_chunks[:-1]] == [None] * (len(text_chunks) - 1)
+    assert text_chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+
+def test_stop_strings(client, engine):
+    """A stop string taken from the greedy text cuts it there, streamed or not (finish_reason "stop")."""
+    full = greedy(engine, PROMPTS[2], 24)
+    cut = len(full.text) // 2
+    stop = full.text[cut:cut + 3]
+    expected = full.text[:full.text.find(stop)]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop])
+    assert (response.choices[0].text, response.choices[0].finish_reason) == (expected, "stop")
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_n_and_seeds(client):
+    """n choices sample with seed, seed + 1, ...: the same seed gives the same choices again, choice i equals a
+    single request with seed + i, and the choices differ from each other."""
+    options = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0)
+    first = client.completions.create(n=3, seed=7, **options)
+    again = client.completions.create(n=3, seed=7, **options)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.text for c in again.choices]
+    assert len(set(texts)) == 3
+    assert client.completions.create(seed=8, **options).choices[0].text == texts[1]
+    assert first.usage.completion_tokens == 24
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=8, temperature=1.0)
+    assert [c.message.content for c in client.chat.completions.create(n=2, seed=3, **chat).choices] == \
+        [c.message.content for c in client.chat.completions.create(n=2, seed=3, **chat).choices]
+    prompts = client.completions.create(n=2, seed=7, **{**options, "prompt": PROMPTS[:2]})
+    assert [c.index for c in prompts.choices] == [0, 1, 2, 3]
+    assert [c.text for c in prompts.choices[:2]] == texts[:2]
+
+
+def test_completion_logprobs_are_the_engines(client, engine):
+    """logprobs=3: every generated token's logprob and its alternatives equal the engine's own (the raw logits'
+    log-softmax); with echo, the prompt tokens come first (the first without a logprob)."""
+    prompt = PROMPTS[3]
+    ids = engine.encode(prompt)
+    outputs = list(engine.stream_outputs(ids, SamplingParams(max_tokens=6, logprobs=3, prompt_logprobs=3)))
+    generated = [p for out in outputs for p in out.logprobs]
+    prompt_positions = outputs[0].prompt_logprobs
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                         echo=True)
+    logprobs = response.choices[0].logprobs
+    assert logprobs.token_logprobs == [None] + [p.logprob for p in prompt_positions[1:]] + \
+        [p.logprob for p in generated]
+    text = token_text(engine.tokenizer)
+    assert logprobs.tokens == [text(i) for i in ids] + [text(p.token_id) for p in generated]
+    for position, top in zip(prompt_positions[1:] + generated, logprobs.top_logprobs[1:]):
+        expected = {text(i): lp for i, lp in position.top}
+        assert {k: top[k] for k in expected} == expected  # plus the chosen token when it is not among them
+        assert len(top) <= 4
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                         stream=True)
+    assert [lp for c in streamed for lp in c.choices[0].logprobs.token_logprobs] == \
+        [p.logprob for p in generated]
+
+
+# -- chat -------------------------------------------------------------------------------------------------------------
+
+
+def test_chat_greedy_equals_the_engine(client, engine):
+    for prompt in PROMPTS[:2]:
+        expected = greedy(engine, prompt, 10, chat=True)
+        messages = [{"role": "user", "content": prompt}]
+        response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+        choice = response.choices[0]
+        assert (choice.message.role, choice.message.content) == ("assistant", expected.text)
+        assert choice.finish_reason == openai_finish(expected)
+        assert response.usage.prompt_tokens == len(engine.encode(prompt, chat=True))
+        assert response.usage.completion_tokens == len(expected.token_ids)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
+                                                     temperature=0, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+        assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_chat_conversation_and_logprobs(client, engine):
+    """A system message, content parts and top_logprobs: the engine's logprobs on the template's token ids."""
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    text = engine.tokenizer.apply_chat_template([{"role": "system", "content": "You are terse."},
+                                                 {"role": "user", "content": "Name a colour."}])
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    outputs = list(engine.stream_outputs(ids, SamplingParams(max_tokens=5, logprobs=2)))
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+    content = response.choices[0].logprobs.content
+    positions = [p for out in outputs for p in out.logprobs]
+    assert response.choices[0].message.content == "".join(out.text_delta for out in outputs)
+    assert [(c.logprob, [t.logprob for t in c.top_logprobs]) for c in content] == \
+        [(p.logprob, [lp for _, lp in p.top]) for p in positions]
+    assert [bytes(c.bytes) for c in content] == [engine.tokenizer.token_bytes(p.token_id) for p in positions]
+    assert response.usage.prompt_tokens == len(ids)
+
+
+def test_async_client_runs_requests_together(server, engine):
+    """Concurrent requests from the async client (chat streams and completions at once) each equal the engine's."""
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url, api_key=API_KEY, max_retries=0) as client:
+            async def complete(prompt):
+                response = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+                return response.choices[0].text
+
+            async def chat(prompt):
+                stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                                      "content": prompt}],
+                                                              max_tokens=10, temperature=0, stream=True)
+                return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+            return await asyncio.gather(*[complete(p) for p in PROMPTS], *[chat(p) for p in PROMPTS])
+
+    texts = asyncio.run(main())
+    assert texts == [greedy(engine, p, 10).text for p in PROMPTS] + [greedy(engine, p, 10, chat=True).text
+                                                                     for p in PROMPTS]
+
+
+# -- other routes -----------------------------------------------------------------------------------------------------
+
+
+def test_models_health_and_metrics(client, server, engine):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(f"{server.root}/health").json() == {"status": "ok"}
+    metrics = server.metrics()
+    assert metrics["fxllm_kv_blocks_total"] > 0 and metrics["fxllm_generation_tokens_total"] > 0
+    for name in ("fxllm_num_requests_running", "fxllm_num_requests_waiting", "fxllm_kv_blocks_used",
+                 "fxllm_prefix_cache_hit_rate", "fxllm_preemptions_total", "fxllm_prompt_tokens_total",
+                 "fxllm_time_to_first_token_seconds_count", "fxllm_inter_token_latency_seconds_count",
+                 "fxllm_num_requests_admitted", "fxllm_requests_total{finish_reason=length}"):
+        assert name in metrics, name
+
+
+# -- errors -----------------------------------------------------------------------------------------------------------
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert "\n" not in body["error"]["message"] and "Traceback" not in body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 422, "max_tokens"),
+    ({"model": MODEL, "prompt": {"text": "x"}}, 422, "prompt"),
+    ({"model": MODEL}, 422, "prompt"),
+])
+def test_completion_errors(server, body, status, param):
+    response = httpx.post(f"{server.url}/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == status, response.text
+    assert error_of(response)["param"] == param
+
+
+def test_error_statuses_through_the_client(client, server):
+    """Each status as the openai client reports it, and the server keeps serving after all of them."""
+    cases = [
+        (openai.BadRequestError, lambda: client.chat.completions.create(model=MODEL, messages=[])),
+        (openai.BadRequestError, lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)),
+        (openai.AuthenticationError, lambda: openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0)
+         .models.list()),
+        (openai.NotFoundError, lambda: client.completions.create(model="nope", prompt="x")),
+        (openai.UnprocessableEntityError, lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "wizard", "content": "x"}])),
+    ]
+    for error, call in cases:
+        with pytest.raises(error) as raised:
+            call()
+        assert raised.value.body["message"], raised.value.body
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    assert httpx.post(f"{server.url}/completions", content=b'{"model": ', headers=headers).status_code == 400
+    assert error_of(httpx.post(f"{server.url}/completions", content=b"{}"))["code"] == "invalid_api_key"
+    too_big = httpx.post(f"{server.url}/completions", headers=headers,
+                         content=json.dumps({"model": MODEL, "prompt": "x" * (5 << 20)}))
+    assert (too_big.status_code, error_of(too_big)["code"]) == (413, "request_too_large")
+
+    def chunked():
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(5):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+
+    assert httpx.post(f"{server.url}/completions", headers=headers, content=chunked()).status_code == 413
+    assert error_of(httpx.get(f"{server.url}/nowhere", headers=headers))["param"] is None
+    assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).choices[0].text is not None
+
+
+def test_two_services_in_one_process_keep_their_own_metrics(engine):
+    """Each service has a registry of its own (Ray runs several replicas' apps per process): no name collides, and
+    each renders its own counters."""
+    from fxllm.serving.metrics import ServingMetrics
+
+    first, second = ServingMetrics(engine.stats, {"model_name": "a"}), ServingMetrics(engine.stats, {"model_name": "a"})
+    first.finished("stop")
+    texts = [metrics.render()[0].decode() for metrics in (first, second)]
+    assert all("fxllm_kv_blocks_total" in text for text in texts)
+    assert 'fxllm_requests_total{finish_reason="stop",model_name="a"} 1.0' in texts[0]
+    assert "fxllm_requests_total{" not in texts[1]

@@ -1,0 +1,57 @@
+"""`fxllm serve` on a runtime-only install: the compiler's packages (torch, transformers, ...) cannot be imported
+in the server process (the thin-runtime test's import blocker), and the server answers exactly as the in-process
+engine does. Without the `serve` extra, `fxllm serve` says in one line what to install."""
+
+from __future__ import annotations
+
+import openai
+
+from fxllm.extras import COMPILE_MODULES, SERVE_MODULES
+from tests.conftest import PROMPTS
+from tests.serving.conftest import ServerProcess
+from tests.test_thin_runtime import COMPILER, Blocked
+
+
+def test_serve_runs_without_the_compiler(serve_artifact, engine, tmp_path):
+    blocked = Blocked(tmp_path / "no-compiler", COMPILE_MODULES + ("tqdm",) + COMPILER)
+    process = ServerProcess(serve_artifact, "--served-model-name", "m", log=tmp_path / "stderr.log", env=blocked.env)
+    try:
+        client = openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0)
+        response = client.completions.create(model="m", prompt=PROMPTS[:2], max_tokens=8, temperature=0)
+        chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                              max_tokens=8, temperature=0)
+    finally:
+        assert process.terminate() == 0
+    assert [c.text for c in response.choices] == [r.text for r in engine.generate(PROMPTS[:2], max_new_tokens=8)]
+    assert chat.choices[0].message.content == engine.generate(PROMPTS[0], max_new_tokens=8, chat=True).text
+    assert blocked.attempts_by_fxllm() == []
+
+
+def test_serve_without_the_extra_names_it(serve_artifact, tmp_path):
+    blocked = Blocked(tmp_path / "no-server", SERVE_MODULES)
+    proc = blocked.cli("serve", str(serve_artifact), "--port", "0")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "pip install 'fxllm[serve]'" in lines[0] and "fastapi" in lines[0]
+
+
+def test_serve_bad_input_is_one_line(serve_artifact, tmp_path):
+    """A missing artifact, a port in use, a bad option: exit 1 with one line."""
+    import socket
+    import subprocess
+
+    from tests.serving.conftest import FXLLM
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        for argv, expected in [((str(tmp_path / "missing"), "--port", "0"), "does not exist"),
+                               ((str(serve_artifact), "--port", str(port)), f"cannot listen on 127.0.0.1:{port}"),
+                               ((str(serve_artifact), "--port", "0", "--max-queue", "-1"), "max_queue")]:
+            proc = subprocess.run([FXLLM, "serve", *argv], capture_output=True, text=True, timeout=120)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 1 and len(lines) == 1 and expected in lines[0], (argv, proc.stderr)
+    finally:
+        taken.close()
