@@ -68,7 +68,7 @@ class GenerationRun:
             raise StopAsyncIteration
         index, item = await self._queue.get()
         if isinstance(item, Exception):
-            raise failure_error(None, str(item))
+            raise failure_error("abort" if not self.service.engine.accepting else None, str(item))
         if item.finished:
             self._open -= 1
             if item.finish_reason in ("abort", "error"):
