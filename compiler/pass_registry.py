@@ -26,6 +26,12 @@ class PassInfo:
     exact: Callable[[dict[str, Any]], bool]  # with these options, must the pass keep greedy tokens identical?
     option_types: dict[str, type] = field(default_factory=dict)
     option_defaults: dict[str, Any] = field(default_factory=dict)
+    check: Callable[..., None] | None = None  # validates the options (keyword arguments) before any work
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        """Raise PipelineError for options the pass would refuse, before the compile loads or captures anything."""
+        if self.check is not None:
+            self.check(**{**self.option_defaults, **options})
 
     def run(self, program: Program, options: dict[str, Any]) -> Program:
         return self.function(program, **options)
@@ -36,12 +42,13 @@ _REGISTRY: dict[str, PassInfo] = {}
 
 def register_pass(
     name: str, requires: tuple[str, ...] = (), provides: tuple[str, ...] = (), forbids: tuple[str, ...] = (),
-    exact: bool | Callable[[dict[str, Any]], bool] = True,
+    exact: bool | Callable[[dict[str, Any]], bool] = True, check: Callable[..., None] | None = None,
 ) -> Callable[[PassFunction], PassFunction]:
     """Register a pass. Its keyword-only parameters are its options; its docstring's first line is its summary.
     `forbids` names facts that must not hold yet (e.g. a pass that has to run before the KV cache is inserted).
     `exact` says the rewrite preserves the math (the pass manager then fails the compile if greedy tokens change);
-    pass a function of the options for passes that are exact only in some modes."""
+    pass a function of the options for passes that are exact only in some modes. `check`, called with every option
+    (defaults filled in) when the pipeline is built, refuses bad options before any work."""
 
     def decorate(function: PassFunction) -> PassFunction:
         signature = inspect.signature(function)
@@ -56,6 +63,7 @@ def register_pass(
             exact=exact if callable(exact) else (lambda options, value=exact: value),
             option_types={k: _option_type(p) for k, p in options.items()},
             option_defaults={k: p.default for k, p in options.items() if p.default is not inspect.Parameter.empty},
+            check=check,
         )
         return function
 

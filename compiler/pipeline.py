@@ -126,6 +126,8 @@ def build_pipeline(
     for name in extra_options:
         if name not in {s.name for s in steps}:
             raise PipelineError(f"options were given for pass '{name}', which is not in the pipeline")
+    for step in steps:
+        step.info.check_options(step.options)
     facts = set(CAPTURE_FACTS)
     seen: list[str] = []
     for step in steps:

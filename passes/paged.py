@@ -20,11 +20,15 @@ aten = torch.ops.aten
 fxllm_ops = torch.ops.fxllm
 
 
-@register_pass("paged", requires=("kv-cache",), provides=("paged",), forbids=("paged",))
-def paged(program: Program, *, block_size: int = 16) -> Program:
-    """Block-table KV cache: a per-layer block pool, block_tables and context_lens inputs, new K/V outputs."""
+def _check_options(*, block_size: int) -> None:
     if block_size < 1 or block_size & (block_size - 1):
         raise PipelineError(f"paged: block_size must be a power of two, got {block_size}")
+
+
+@register_pass("paged", requires=("kv-cache",), provides=("paged",), forbids=("paged",), check=_check_options)
+def paged(program: Program, *, block_size: int = 16) -> Program:
+    """Block-table KV cache: a per-layer block pool, block_tables and context_lens inputs, new K/V outputs."""
+    _check_options(block_size=block_size)
     graph, spec = program.graph, program.spec
     mask_node = next((n for n in graph.nodes if n.target is fxllm_ops.causal_mask.default), None)
     if mask_node is None:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from fxllm.compiler.quant.awq import clip_and_quantize, search_scales
-from fxllm.compiler.quant.calibration import calibration_tokens, read_calibration_text, walk_linears
+from fxllm.compiler.quant.calibration import (calibration_tokens, check_calibration_source, read_calibration_text,
+                                              walk_linears)
 from fxllm.compiler.quant.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program
@@ -57,8 +58,16 @@ class QuantizedLinear:
     half_scales: bool = False  # the scales hold float16 values (GGUF blocks): lowering stores them as float16
 
 
+def _check_pass_options(*, method: str, group_size: int | None, lm_head: str, embedding: str, calib: str,
+                        **_: object) -> None:
+    """Everything quantize would refuse, checked when the pipeline is built (before loading the model)."""
+    _check_options(method, METHOD_DEFAULTS.get(method, (128, False))[0] if group_size is None else group_size,
+                   lm_head, embedding)
+    check_calibration_source(calib)
+
+
 @register_pass("quantize", requires=("captured",), provides=("quantized",), forbids=("quantized", "kv-cache"),
-               exact=False)
+               exact=False, check=_check_pass_options)
 def quantize(program: Program, *, method: str = "int8", group_size: int | None = None, lm_head: str = "float",
              embedding: str = "float", calib: str = "shakespeare", samples: int = 16, seq_len: int = 512,
              damp: float = 0.01, act_order: bool = True, mse: bool = True, zero_point: bool | None = None) -> Program:

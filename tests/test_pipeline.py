@@ -79,3 +79,18 @@ def test_an_exact_pass_that_changes_tokens_fails_the_compile(make_tiny_model):
             run_pipeline(program, build_pipeline(parse_pipeline("test-breaks-logits")))
     finally:
         del _REGISTRY["test-breaks-logits"]
+
+
+@pytest.mark.parametrize("pipeline, options, message", [
+    ("cleanup,quantize,kv-cache", {"quantize": {"method": "int4-gptq", "calib": "no-such-text.txt"}},
+     "calibration text 'no-such-text.txt' does not exist"),
+    ("cleanup,quantize,kv-cache", {"quantize": {"method": "int4-awq", "calib": "."}}, "'.' is a directory"),
+    ("cleanup,quantize,kv-cache", {"quantize": {"method": "int5"}}, "unknown quantize method 'int5'"),
+    ("cleanup,quantize,kv-cache", {"quantize": {"method": "int4-rtn", "group_size": "48"}}, "power of two >= 16"),
+    ("cleanup,kv-cache,paged", {"paged": {"block_size": "12"}}, "block_size must be a power of two"),
+])
+def test_pass_options_are_checked_when_the_pipeline_is_built(pipeline, options, message):
+    """Options a pass would refuse fail when the pipeline is built (compile_model does it before loading the
+    model), not after minutes of loading, capture and earlier passes."""
+    with pytest.raises(PipelineError, match=message):
+        build_pipeline(parse_pipeline(pipeline), options)

@@ -9,6 +9,7 @@ the rest of the graph then sees. It stops once the last group is quantized, with
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +38,19 @@ def calibration_tokens(tokenizer, text: str, samples: int, seq_len: int, source:
             f"quantize.seq_len=N)")
     starts = torch.linspace(0, len(ids) - seq_len, samples).long().tolist()
     return torch.tensor([ids[s:s + seq_len] for s in starts], dtype=torch.long)
+
+
+def check_calibration_source(path: str) -> None:
+    """Refuse a calibration source that is neither a named dataset nor a readable file, before any work."""
+    from fxllm.datasets import dataset_names
+
+    if path in dataset_names() and not Path(path).exists():
+        return
+    file = Path(path)
+    if not file.is_file() or not os.access(file, os.R_OK):
+        problem = "is a directory" if file.is_dir() else "is not readable" if file.exists() else "does not exist"
+        raise PipelineError(f"quantize: the calibration text '{path}' {problem} (give a UTF-8 text file or one of "
+                            f"{', '.join(dataset_names())})")
 
 
 def read_calibration_text(path: str) -> tuple[str, str]:
