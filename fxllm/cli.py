@@ -334,8 +334,18 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         return _fail("error: out of memory; try a smaller batch, KV pool (--kv-cache-memory) or model", 1, verbose)
     except Exception as exc:  # a bug, not bad input: still one line unless -v
+        if _is_device_out_of_memory(exc):
+            return _fail(f"error: out of GPU memory ({str(exc).splitlines()[0] if str(exc) else 'no detail'}); try a "
+                         "smaller batch, KV pool (--kv-cache-memory) or model", 1, verbose)
         return _internal_error(exc, verbose)
     return code or 0
+
+
+def _is_device_out_of_memory(exc: Exception) -> bool:
+    """torch.cuda.OutOfMemoryError (torch.OutOfMemoryError), recognized without importing torch: a resource
+    limit the user can act on, like MemoryError, not a bug."""
+    return any(cls.__name__ == "OutOfMemoryError" and cls.__module__.startswith("torch")
+               for cls in type(exc).__mro__)
 
 
 def _never_fail_on_encoding() -> None:

@@ -114,3 +114,26 @@ def test_console_script_exit_code_and_single_line(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"fxllm: error: artifact '{tmp_path / 'none'}' does not exist"
+
+
+def test_device_out_of_memory_is_a_user_error(capsys, monkeypatch):
+    """torch's CUDA out-of-memory error is a resource limit the user can act on (exit 1, one line), as MemoryError
+    is; any other exception from a command stays an internal error (exit 2)."""
+    import torch
+
+    from fxllm import cli
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setitem(cli.COMMANDS, "inspect", out_of_memory)
+    code, _, err = run_cli(capsys, "inspect", "somewhere")
+    assert code == 1
+    assert_one_line_error(code, err, "out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB)")
+
+    def bug(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setitem(cli.COMMANDS, "inspect", bug)
+    code, _, err = run_cli(capsys, "inspect", "somewhere")
+    assert code == 2 and err.startswith("fxllm: internal error: RuntimeError: a bug")
