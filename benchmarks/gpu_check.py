@@ -5,12 +5,17 @@ Rows (each printed, and all written to --out):
   parity     greedy tokens of the `torch` target (fp32, contiguous and paged) against transformers on the same
              device: 4 prompts x 32 new tokens, SmolLM2-135M-shaped model
   decode     bf16 decode ms/token at batch 1 and tokens/s at batch 32 (prompt 64 tokens, 64 new), fxllm torch backend
-             (contiguous, paged) vs transformers eager and transformers + torch.compile with a static cache, measured
-             in interleaved rounds (medians), per model: SmolLM2-135M-shaped and Llama-3.2-1B-shaped
+             (contiguous, paged; contiguous through torch.compile, timed last) vs transformers eager and transformers
+             + torch.compile with a static cache, in interleaved rounds (medians), per model: Llama-3.2-1B-shaped,
+             then SmolLM2-135M-shaped
   floor      the HBM-bandwidth floor for batch-1 decode: bytes read per token (bf16 weights + the KV cache at the
              mean context) / the device-to-device copy bandwidth measured in the same run; ratio of each row to it
   time       seconds spent building and compiling each model (to size the next run)
 
+Order: env, the 1B-shaped decode rows, parity, then the SmolLM2-shaped decode rows (the issue's targets first). A
+time budget (--budget-s) is checked before every model build, compile, warm-up and timed round; what it cuts off
+says "skipped: time budget spent", and the results file is rewritten after every row, so a run stopped from
+outside keeps everything it measured.
 Models are random-weight models built from real configs (no downloads; speed does not depend on weight values),
 with a byte-level tokenizer built here (the benchmarks feed token ids). Context is capped at 8192 positions.
 Without a CUDA device it runs CI-sized on CPU: a 2-layer model for parity, and every GPU row says "no CUDA device"
@@ -69,12 +74,18 @@ CPU_SIZES = Sizes("tiny", ("tiny",), parity_tokens=8, prompt=8, new=8, batch=4, 
 
 @dataclass
 class Report:
+    """Rows printed as they come and the results file rewritten after each one, so a run cut short (the device
+    tool's time limit) still leaves every row it measured."""
+
+    path: Path | None = None
     rows: list[dict] = field(default_factory=list)
 
     def add(self, section: str, name: str, value: str, **data) -> None:
         row = {"section": section, "name": name, "value": value, **data}
         self.rows.append(row)
         print(f"{section:<8} {name:<44} {value}", flush=True)
+        if self.path is not None:
+            self.write(self.path)
 
     def write(self, path: Path) -> None:
         lines = [f"| {r['section']} | {r['name']} | {r['value']} |" for r in self.rows]
@@ -113,29 +124,41 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         torch.set_num_threads(1)  # 2-layer models: extra threads only contend (badly, on a shared machine)
     device = "cuda" if cuda else "cpu"
-    report = Report()
-    deadline = time.monotonic() + args.budget_s
+    report = Report(Path(args.out))
+    budget = Budget(time.monotonic() + args.budget_s)
     with tempfile.TemporaryDirectory(prefix="fxllm-gpu-check-") as scratch:
         work = Path(args.work or scratch)
         environment(report, torch, cuda)
         builder = ModelBuilder(work, device)
-        parity(report, builder, sizes, device)
         bandwidth = copy_bandwidth(torch, device) if cuda else None
-        for model in sizes.decode_models:
+        # The issue's targets first (the 1B-shaped decode rows, then parity), so a run cut short keeps them.
+        decode_models = list(sizes.decode_models)
+        for index, model in enumerate(decode_models):
             if not (cuda or args.cpu_decode):
                 for name in decode_row_names(model, sizes):
                     report.add("decode", name, NO_CUDA)
                 report.add("floor", f"{model} batch 1", floor_text(builder, model, sizes, None))
-                continue
-            if time.monotonic() > deadline:
-                report.add("decode", model, "skipped: time budget spent")
-                continue
-            decode(report, builder, model, sizes, device, bandwidth, deadline)
+            elif budget.spent():
+                report.add("decode", model, budget.SKIPPED)
+            else:
+                decode(report, builder, model, sizes, device, bandwidth, budget)
+            if index == 0:
+                parity(report, builder, sizes, device, budget)
         for step, seconds in builder.seconds.items():  # where the check's own time went (to size the next run)
             report.add("time", step, f"{seconds:.1f} s")
-    report.write(Path(args.out))
     print(f"results: {args.out}")
     return 0
+
+
+@dataclass
+class Budget:
+    """The run's time budget: every row checks it before a model build, a compile, a warm-up or a timed round."""
+
+    deadline: float
+    SKIPPED = "skipped: time budget spent"
+
+    def spent(self) -> bool:
+        return time.monotonic() > self.deadline
 
 
 def environment(report: Report, torch, cuda: bool) -> None:
@@ -245,19 +268,27 @@ def hf_greedy(model, prompt_ids: list[list[int]], new: int, exact_length: bool =
     return out[:, ids.shape[1]:].tolist()
 
 
-def parity(report: Report, builder: ModelBuilder, sizes: Sizes, device: str) -> None:
+def parity(report: Report, builder: ModelBuilder, sizes: Sizes, device: str, budget: Budget) -> None:
     """fp32 greedy tokens, fxllm torch target (contiguous and paged) vs transformers, on `device`."""
     import torch
 
     import fxllm
 
     name = sizes.parity_model
+    rows = [f"{name} fp32 {'paged' if paged else 'contiguous'} vs transformers ({device})" for paged in (False, True)]
+    if budget.spent():
+        for row in rows:
+            report.add("parity", row, budget.SKIPPED)
+        return
     model = builder.hf_model(name, torch.float32)
     vocab = model.config.vocab_size
     batch = prompts(4, 16, vocab, seed=1)
     expected = [hf_greedy(model, [p], sizes.parity_tokens, exact_length=False)[0] for p in batch]
     del model
-    for paged in (False, True):
+    for paged, row in zip((False, True), rows):
+        if budget.spent():
+            report.add("parity", row, budget.SKIPPED)
+            continue
         engine = fxllm.load(builder.artifact(name, "float32", paged), backend="torch", device=device)
         got = [r.token_ids for r in engine.generate_ids(batch, max_new_tokens=sizes.parity_tokens)]
         # the engine also stops at the tokenizer's EOS, which transformers' generation config may not name
@@ -265,8 +296,7 @@ def parity(report: Report, builder: ModelBuilder, sizes: Sizes, device: str) -> 
                    for g, e in zip(got, expected))
         first = next((i for g, e in zip(got, expected) for i, (a, b) in enumerate(zip(g, e)) if a != b), None)
         detail = "" if same == len(batch) else f" (first differing token at step {first})"
-        report.add("parity", f"{name} fp32 {'paged' if paged else 'contiguous'} vs transformers ({device})",
-                   f"{same}/{len(batch)} prompts identical over {sizes.parity_tokens} tokens{detail}",
+        report.add("parity", row, f"{same}/{len(batch)} prompts identical over {sizes.parity_tokens} tokens{detail}",
                    identical=same, prompts=len(batch))
         del engine
 
@@ -275,57 +305,85 @@ def decode_row_names(model: str, sizes: Sizes) -> list[str]:
     return [f"{model} bf16 batch {batch} {system}" for batch in (1, sizes.batch) for system in SYSTEMS]
 
 
-SYSTEMS = ("fxllm torch contiguous", "fxllm torch paged", "transformers eager", "transformers compile+static")
+SYSTEMS = ("fxllm torch contiguous", "fxllm torch paged", "transformers eager", "transformers compile+static",
+           "fxllm torch contiguous + torch.compile")
+EAGER, HF_COMPILED = SYSTEMS[2], SYSTEMS[3]
+LATE = SYSTEMS[4:]  # warmed up and timed after the others (its compile may take long): a late start costs only it
 
 
 def decode(report: Report, builder: ModelBuilder, name: str, sizes: Sizes, device: str, bandwidth: float | None,
-           deadline: float) -> None:
-    """bf16 decode speed of the four systems, interleaved rounds, medians: batch 1 ms/token, batch N tokens/s."""
+           budget: Budget) -> None:
+    """bf16 decode speed of every system, interleaved rounds, medians: batch 1 ms/token, batch N tokens/s."""
     import torch
 
     import fxllm
 
-    runners = {
-        SYSTEMS[0]: fxllm_runner(fxllm.load(builder.artifact(name, "bfloat16", False), backend="torch",
-                                            device=device, max_batch=sizes.batch)),
-        SYSTEMS[1]: fxllm_runner(fxllm.load(builder.artifact(name, "bfloat16", True), backend="torch",
-                                            device=device, max_batch=sizes.batch)),
-    }
+    def engine_runner(paged: bool, compile: bool = False):
+        if budget.spent():
+            raise TimeoutError(budget.SKIPPED)
+        return fxllm_runner(fxllm.load(builder.artifact(name, "bfloat16", paged), backend="torch", device=device,
+                                       max_batch=sizes.batch, torch_compile=compile))
+
+    makers = {SYSTEMS[0]: lambda: engine_runner(False), SYSTEMS[1]: lambda: engine_runner(True)}
     model = builder.hf_model(name, torch.bfloat16)
-    runners[SYSTEMS[2]] = lambda ids, new: hf_greedy(model, ids, new, disable_compile=True)
-    runners[SYSTEMS[3]] = hf_static_runner(torch, model, device)
+    makers[EAGER] = lambda: (lambda ids, new: hf_greedy(model, ids, new, disable_compile=True))
+    makers[HF_COMPILED] = lambda: hf_static_runner(torch, model, device)
+    makers[SYSTEMS[4]] = lambda: engine_runner(False, compile=True)
+    runners, failures = {}, {}
+    for system, make in makers.items():
+        try:
+            runners[system] = make()
+        except Exception as exc:  # a system that cannot run here is reported, the others still measured
+            failures[system] = _failure(exc)
     vocab = model.config.vocab_size
     for batch in (1, sizes.batch):
         ids = prompts(batch, sizes.prompt, vocab, seed=2)
-        times: dict[str, list[float]] = {system: [] for system in runners}
-        failures: dict[str, str] = {}
-        for system, run in runners.items():  # warm-up: compiles, CUDA graphs, allocator
-            if time.monotonic() > deadline:
-                failures[system] = "skipped: time budget spent"
-                continue
-            try:  # the long run first: transformers then reuses its (large enough) static cache for the short one
-                run(ids, sizes.new + 1), run(ids, 1)
-            except Exception as exc:  # a system that cannot run here is reported, the others still measured
-                failures[system] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        for _ in range(sizes.rounds):
-            for system, run in runners.items():
-                if system in failures or time.monotonic() > deadline:
-                    continue
-                short, long_ = timed(run, ids, 1), timed(run, ids, sizes.new + 1)
-                times[system].append((long_ - short) / sizes.new)
-        eager = statistics.median(times[SYSTEMS[2]]) if times[SYSTEMS[2]] else None
+        times: dict[str, list[float]] = {system: [] for system in SYSTEMS}
+        failed = dict(failures)
+        for group in ([s for s in SYSTEMS if s not in LATE], list(LATE)):
+            measure(runners, group, ids, sizes, budget, times, failed)
+        eager = statistics.median(times[EAGER]) if times[EAGER] else None
+        compiled = statistics.median(times[HF_COMPILED]) if times[HF_COMPILED] else None
         floor = floor_seconds(builder, name, sizes, bandwidth) if batch == 1 else None
-        for system in runners:
+        for system in SYSTEMS:
             row = f"{name} bf16 batch {batch} {system}"
-            if system in failures or not times[system]:
-                report.add("decode", row, failures.get(system, "skipped: time budget spent"))
+            if not times[system]:
+                report.add("decode", row, failed.get(system, budget.SKIPPED))
                 continue
             step = statistics.median(times[system])
             value = f"{step * 1e3:.2f} ms/token" if batch == 1 else f"{batch / step:,.0f} tokens/s"
-            value += f" ({eager / step:.2f}x transformers eager)" if eager else ""
+            value += f" ({eager / step:.2f}x transformers eager" if eager else " ("
+            value += f", {compiled / step:.2f}x transformers compile+static)" if compiled else ")"
             value += f", {step / floor:.1f}x the bandwidth floor" if floor else ""
-            report.add("decode", row, value, seconds_per_step=step, batch=batch)
+            report.add("decode", row, value.replace(" ()", ""), seconds_per_step=step, batch=batch)
     report.add("floor", f"{name} batch 1", floor_text(builder, name, sizes, bandwidth))
+
+
+def measure(runners: dict, systems: list[str], ids: list[list[int]], sizes: Sizes, budget: Budget,
+            times: dict[str, list[float]], failed: dict[str, str]) -> None:
+    """Warm up `systems` (compiles, CUDA graphs, allocator), then time them in interleaved rounds: per round and
+    system, (time of new+1 tokens - time of 1 token) / new, i.e. the decode step without the prefill."""
+    systems = [s for s in systems if s in runners and s not in failed]
+    for system in systems:
+        if budget.spent():
+            failed[system] = budget.SKIPPED
+            continue
+        try:  # the long run first: transformers then reuses its (large enough) static cache for the short one
+            runners[system](ids, sizes.new + 1), runners[system](ids, 1)
+        except Exception as exc:
+            failed[system] = _failure(exc)
+    for _ in range(sizes.rounds):
+        for system in systems:
+            if system in failed or budget.spent():
+                continue
+            short, long_ = timed(runners[system], ids, 1), timed(runners[system], ids, sizes.new + 1)
+            times[system].append((long_ - short) / sizes.new)
+
+
+def _failure(exc: Exception) -> str:
+    if isinstance(exc, TimeoutError) and str(exc) == Budget.SKIPPED:
+        return Budget.SKIPPED
+    return f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
 
 
 def fxllm_runner(engine):
