@@ -65,6 +65,30 @@ def test_bf16_torch_artifact_runs_with_its_drift_reported(bf16_paged, make_torch
     print(f"bf16 vs fp32 greedy tokens (random tiny model, near-tied logits): {agreement:.0%} agree")
 
 
+def test_fp16_torch_artifact_runs_with_its_drift_reported(make_torch_artifact):
+    """float16 on the torch target's contiguous cache (bf16 above covers the paged one): float16 caches, float32
+    logits, the drift reported, greedy generation running on the torch backend."""
+    artifact = make_torch_artifact("llama", dtype="float16")
+    manifest = load_manifest(artifact)
+    assert manifest.spec.dtype == "float16" and not manifest.io.paged
+    caches = [sig for sig in manifest.io.inputs + manifest.io.outputs if parse_cache_name(sig.name)]
+    assert caches and {sig.dtype for sig in caches} == {"float16"}
+    assert manifest.io.outputs[0].dtype == "float32"
+    drift = dtype_record(artifact)
+    print(f"fp16 drift against float32: {drift}")
+    assert 0 < drift["max_abs_logit"] < 0.01 and drift["mean_kl"] < 1e-5
+    results = fxllm.load(artifact, backend="torch", threads=1).generate(PROMPTS, max_new_tokens=8)
+    assert all(len(r.token_ids) == 8 for r in results)
+
+
+def test_bf16_tensorrt_form_passes_the_audit(make_tiny_model, tmp_path):
+    report = fxllm.compile(make_tiny_model("llama"), tmp_path / "artifact", target="tensorrt", dtype="bfloat16")
+    assert any("passed the TensorRT audit" in note for note in report.notes)
+    model = onnx.load(str(tmp_path / "artifact" / "model.onnx"), load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
+    assert types["past_key_0"] == onnx.TensorProto.BFLOAT16
+
+
 def test_fp16_tensorrt_form_runs_on_onnx_runtime_within_its_drift(fp16_tensorrt, make_tiny_artifact):
     """The half-precision ONNX TensorRT would build from: float16 caches, float32 logits; on ONNX Runtime its
     logits stay within the drift the compile reported of the float32 artifact's."""
