@@ -8,45 +8,25 @@ import os
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from fxllm.errors import ArtifactError, GenerationError, InvalidArgumentError
+from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.backend import Backend, load_backend
 from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.runtime.driver import CoreDriver
 from fxllm.runtime.engine_core import EngineCore
 from fxllm.runtime.manifest import Manifest, load_manifest
-from fxllm.runtime.metrics import EngineStats, RequestMetrics
+from fxllm.runtime.metrics import EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import RequestOutput, SamplingParams
 from fxllm.runtime.request_validation import (GenerationRequest, check_engine_options, check_kv_pool, check_prompt,
                                               check_prompt_ids, check_prompts, check_request)
+from fxllm.runtime.results import GenerationResult, collector, raise_failure
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
-
-
-@dataclass
-class GenerationResult:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = "length"  # "eos" | "stop" | "length" | "context"
-    timings: dict[str, float] = field(default_factory=dict)  # this request's: prefill_ms, decode_ms_per_token...
-    metrics: RequestMetrics | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "prompt": self.prompt,
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "timings": self.timings,
-        }
 
 
 class Engine:
@@ -71,19 +51,13 @@ class Engine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         blocks = self._pool_blocks() if self.paged else None  # sized now, so a bad KV budget fails at load time
         self.runner = ModelRunner.create(backend, self.io, self.spec, pad, blocks)
-        self.speculator = None  # a SpeculativeDecoder when the artifact holds a draft
-        if speculative is not None:
-            from fxllm.runtime.speculative_decoder import SpeculativeDecoder
-
-            mode, k, draft = speculative
-            self.speculator = SpeculativeDecoder(self.runner, draft.runner if draft else None, mode, k,
-                                                 self.max_context, draft.max_context if draft else None)
+        self.speculator = _speculator(self.runner, self.paged, self.max_context, speculative)
         if self.paged:
             from fxllm.runtime.block_manager import BlockManager
 
             manager = BlockManager(blocks, self.block_size, prefix_caching)
-            scheduler = PagedScheduler(manager, max_batch, max_tokens_per_step)
-        else:  # speculative decoding verifies one request at a time
+            scheduler = PagedScheduler(manager, max_batch, max_tokens_per_step, speculative=bool(self.speculator))
+        else:  # speculative decoding on a contiguous cache verifies one request at a time
             scheduler = StaticBatchScheduler(1 if self.speculator else max_batch)
         self.core = EngineCore(self.runner, scheduler, tokenizer, eos_token_ids, self.max_context,
                                self.spec.vocab_size, encode=self.encode, speculator=self.speculator)
@@ -120,8 +94,6 @@ class Engine:
             k = plan.k if spec_k is None else spec_k
             if not 1 <= k <= MAX_SPEC_K:
                 raise InvalidArgumentError("spec_k", f"spec_k must be between 1 and {MAX_SPEC_K}, got {k}")
-            if manifest.io.paged:
-                raise ArtifactError("speculative decoding runs on the contiguous KV cache; compile without `paged`")
             draft = None
             if plan.draft is not None:
                 draft = Engine.load(plan.draft, threads=threads, providers=providers, verify=verify,
@@ -207,14 +179,14 @@ class Engine:
         request_ids = [_new_request_id() for _ in rows]
         done = []
         self.driver.submit([(rid, ids, self._capped(request, ids)) for rid, ids in zip(request_ids, rows)],
-                           [_collector(result, request.max_new_tokens, self.max_context, done) for result in results])
+                           [collector(result, request.max_new_tokens, self.max_context, done) for result in results])
         try:
             self.driver.step_until(lambda: len(done) == len(rows))
         finally:
             if len(done) < len(rows):  # interrupted: leave nothing behind
                 for request_id in request_ids:
                     self.driver.abort(request_id, notify=False)
-        _raise_failure(done)
+        raise_failure(done)
         return results
 
     def stream(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
@@ -242,7 +214,7 @@ class Engine:
                 self.driver.step_until(lambda: bool(buffer))
                 output = buffer.popleft()
                 finished = output.finished
-                _raise_failure([output])
+                raise_failure([output])
                 yield output
         finally:
             if not finished:
@@ -267,41 +239,20 @@ class Engine:
         return replace(request.sampling, max_tokens=room)
 
 
+def _speculator(runner: ModelRunner, paged: bool, max_context: int, speculative):
+    """speculative: None, or (mode, k, draft Engine or None) → a Speculator over the target's runner: batched on a
+    paged artifact, one request at a time on a contiguous one."""
+    if speculative is None:
+        return None
+    from fxllm.runtime.drafter import Drafter
+    from fxllm.runtime.speculative_decoder import SpeculativeDecoder
+    from fxllm.runtime.speculator import PagedSpeculator
+
+    mode, k, draft = speculative
+    drafter = Drafter(mode, k, runner.spec.vocab_size, draft.runner if draft else None)
+    context = min(max_context, draft.max_context) if draft else max_context  # never propose past either's context
+    return (PagedSpeculator if paged else SpeculativeDecoder)(runner, drafter, k, context)
+
+
 def _new_request_id() -> str:
     return f"engine-{uuid.uuid4().hex}"
-
-
-def _collector(result: GenerationResult, max_new_tokens: int, max_context: int, done: list):
-    """A sink that builds a GenerationResult from a request's outputs; the final output goes to `done`."""
-
-    def sink(output: RequestOutput) -> None:
-        result.token_ids += output.new_token_ids
-        result.text += output.text_delta
-        if not output.finished:
-            return
-        result.finish_reason = _finish_reason(output, len(result.prompt_token_ids) + max_new_tokens >= max_context)
-        result.metrics = output.metrics
-        m = output.metrics
-        result.timings = {"prefill_ms": round(m.prefill_ms, 3), "decode_ms_per_token": round(m.decode_ms_per_token, 3),
-                          "decode_steps": m.decode_steps, "ttft_ms": round(m.time_to_first_token_ms or 0.0, 3),
-                          "total_ms": round(m.e2e_ms or 0.0, 3)}
-        done.append(output)
-
-    return sink
-
-
-def _finish_reason(output: RequestOutput, reaches_context: bool) -> str:
-    """GenerationResult's vocabulary: "eos" (an EOS id), "stop" (a stop string), "context" (prompt + output reached
-    the model's context), "length"."""
-    if output.finish_reason == "stop":
-        return "eos" if isinstance(output.stop_reason, int) else "stop"
-    if output.finish_reason == "length" and reaches_context:
-        return "context"
-    return output.finish_reason
-
-
-def _raise_failure(outputs: list[RequestOutput]) -> None:
-    failed = next((out for out in outputs if out.finish_reason == "error"), None)
-    if failed is not None:
-        raise GenerationError(f"generation failed: {failed.error}")
-
