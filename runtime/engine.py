@@ -15,10 +15,11 @@ import numpy as np
 
 from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.backend import Backend, load_backend
+from fxllm.runtime.checks import describe
 from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.runtime.driver import CoreDriver
 from fxllm.runtime.engine_core import EngineCore
-from fxllm.runtime.manifest import Manifest, load_manifest
+from fxllm.runtime.manifest import Manifest, SpeculativePlan, load_manifest
 from fxllm.runtime.metrics import EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import RequestOutput, SamplingParams
@@ -27,6 +28,8 @@ from fxllm.runtime.request_validation import (GenerationRequest, check_engine_op
 from fxllm.runtime.results import GenerationResult, collector, raise_failure
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
+
+DEFAULT_NGRAM_K = 4  # prompt lookup asked for at load time on an artifact compiled without a draft
 
 
 class Engine:
@@ -67,7 +70,7 @@ class Engine:
     def load(cls, path: str | os.PathLike, threads: int | None = None, providers: list[str] | None = None,
              verify: bool = True, backend: str = "onnxruntime", kv_cache_memory: int | str | None = None,
              kv_blocks: int | None = None, max_batch: int = 64, max_tokens_per_step: int = 512,
-             prefix_caching: bool = True, int8_activations: bool | None = None, speculative: bool = True,
+             prefix_caching: bool = True, int8_activations: bool | None = None, speculative: bool | str = True,
              spec_k: int | None = None, spin: bool = True, device: str = "cpu",
              torch_compile: bool = False) -> Engine:
         """backend: "onnxruntime" (any artifact, any machine), "tensorrt" (an artifact with engine.plan) or "torch"
@@ -77,12 +80,13 @@ class Engine:
         computes at most `max_tokens_per_step` prompt tokens; `prefix_caching` shares full KV blocks between
         requests with a common prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize
         activations to int8 (faster, slightly less exact); default: what the artifact recommends (float
-        activations unless it was compiled with --int8-activations). Artifacts compiled with a draft decode speculatively unless speculative=False; spec_k overrides
-        their k. spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft
+        activations unless it was compiled with --int8-activations). Artifacts compiled with a draft decode
+        speculatively unless speculative=False; speculative="ngram" decodes any artifact with prompt lookup (no
+        draft model, nothing to compile; k 4 unless the artifact names one); spec_k overrides k. spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft
         pairs)."""
         check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
         manifest = load_manifest(Path(path), verify=verify)
-        plan = manifest.speculative if speculative else None
+        plan = _speculative_plan(manifest, speculative)
         # Target and draft sessions alternate on the same cores: threads spinning after one session's call
         # would slow the other's (measured: a 5-token verify 105 ms alternating vs 41 ms without spinning).
         runner = load_backend(manifest, backend, threads, providers,
@@ -237,6 +241,19 @@ class Engine:
         if request.max_new_tokens <= room:
             return request.sampling
         return replace(request.sampling, max_tokens=room)
+
+
+def _speculative_plan(manifest: Manifest, speculative: bool | str) -> SpeculativePlan | None:
+    """What Engine.load's `speculative` asks for on this artifact."""
+    if speculative is True:
+        return manifest.speculative
+    if speculative is False:
+        return None
+    if speculative == "ngram":  # prompt lookup needs no compiled draft
+        plan = manifest.speculative
+        return SpeculativePlan("ngram", plan.k if plan is not None else DEFAULT_NGRAM_K, None)
+    raise InvalidArgumentError("speculative", "speculative must be True (the artifact's draft, if any), False or "
+                                              f"'ngram', got {describe(speculative)}")
 
 
 def _speculator(runner: ModelRunner, paged: bool, max_context: int, speculative):
