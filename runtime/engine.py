@@ -82,8 +82,8 @@ class Engine:
         activations to int8 (faster, slightly less exact); default: what the artifact recommends (float
         activations unless it was compiled with --int8-activations). Artifacts compiled with a draft decode
         speculatively unless speculative=False; speculative="ngram" decodes any artifact with prompt lookup (no
-        draft model, nothing to compile; k 4 unless the artifact names one); spec_k overrides k. spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft
-        pairs)."""
+        draft model, nothing to compile; k 4 unless the artifact names one); spec_k overrides k. spin=False stops
+        ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs)."""
         check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
         manifest = load_manifest(Path(path), verify=verify)
         plan = _speculative_plan(manifest, speculative)

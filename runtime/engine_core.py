@@ -4,9 +4,9 @@ core between threads; runtime/async_engine.py drives it from an asyncio program)
 Each `step()` asks the scheduler for one model call, has the model runner (or the speculator) execute it,
 samples, appends each request's tokens, checks its stop conditions and returns a RequestOutput for every request
 that produced tokens or finished. With a speculator on a paged artifact the step first has the draft propose the
-next round's tokens of every running request that has none (runtime/speculator.py). Requests join (`add_request`) and leave (finish, `abort`) between steps.
-A model call that raises fails exactly the requests in that call (finish_reason "error", blocks freed); the core
-keeps serving the others.
+next round's tokens of every running request that has none (runtime/speculator.py). Requests join (`add_request`)
+and leave (finish, `abort`) between steps. A model call that raises fails exactly the requests in that call
+(finish_reason "error", blocks freed); the core keeps serving the others.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ last token t is sampled but not yet in the cache:
                      positions come back, each row is verified with its own seeded stream;
   rollback           the scheduler commits t and the accepted drafts and releases the other reserved slots
                      (BlockManager.release_slots): rejected tokens never reach a full, hashed block, so prefix
-                     caching and preemption (by recompute) work unchanged; the draft's own cache follows at its next proposal.
+                     caching and preemption (by recompute) work unchanged; the draft's own cache follows at
+                     its next proposal.
 """
 
 from __future__ import annotations
