@@ -89,9 +89,11 @@ class Engine:
         plan = _speculative_plan(manifest, speculative)
         # Target and draft sessions alternate on the same cores: threads spinning after one session's call
         # would slow the other's (measured: a 5-token verify 105 ms alternating vs 41 ms without spinning).
+        # Prompt lookup has no draft session: the target spins as without speculation.
         runner = load_backend(manifest, backend, threads, providers,
                               manifest.int8_activations if int8_activations is None else int8_activations,
-                              spin=spin and plan is None, device=device, torch_compile=torch_compile)
+                              spin=spin and (plan is None or plan.draft is None), device=device,
+                              torch_compile=torch_compile)
         tokenizer = load_tokenizer(manifest.tokenizer_dir)
         draft_plan = None
         if plan is not None:
