@@ -353,14 +353,7 @@ def format_concurrent_table(runs: dict[str, ConcurrentRun], concurrency: int) ->
                       percent(spec.acceptance_rate) if spec else "-",
                       f"{spec.tokens_per_target_call:.2f}" if spec else "-", f"{run.mean_decode_batch:.1f}",
                       "(reference)" if spec is None else ("yes" if not wrong else f"NO ({', '.join(wrong)})")])
-    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join([cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]) \
-            + " |"
-
-    rule = "|" + "|".join(["-" * (widths[0] + 2)] + ["-" * (w + 1) + ":" for w in widths[1:]]) + "|"
-    return "\n".join([line(header), rule, *(line(cells) for cells in lines)])
+    return markdown_table(header, lines)
 
 
 def load_average() -> str:
@@ -433,6 +426,11 @@ def format_table(rows: list[Row], tallies: dict[str, Tally]) -> str:
             percent(t.verify_s / t.wall_s) if speculative else "-",
             greedy_verdict(t, baseline)[1] if speculative else "(reference)",
         ])
+    return markdown_table(header, lines)
+
+
+def markdown_table(header: list[str], lines: list[list[str]]) -> str:
+    """A markdown table: the first column left-aligned, the others right-aligned."""
     widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:

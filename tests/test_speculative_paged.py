@@ -107,28 +107,24 @@ def test_a_failing_verify_or_draft_fails_only_its_requests(speculative_engine, e
     engine = speculative_engine("self-int4")
     target = engine.runner.backend = FailingBackend(engine.runner.backend)
     draft = engine.speculator.drafter.runner.backend = FailingBackend(engine.speculator.drafter.runner.backend)
-    core = engine.core
     target.arm(rows=3)  # the first verify of three or more rows
-    for i in range(4):
-        core.add_request(f"r{i}", echo_prompts[i], SamplingParams(max_tokens=8))
-    finished = {}
-    while core.has_unfinished():
-        for out in core.step():
-            if out.finished:
-                finished[out.request_id] = out
-    failed = [out for out in finished.values() if out.finish_reason == "error"]
+    failed = [out for out in _finished(engine.core, "r", echo_prompts[:4]) if out.finish_reason == "error"]
     assert len(failed) >= 3 and all("injected backend failure" in out.error for out in failed)
     assert_pool_whole(engine)
     draft.arm(rows=1)  # the draft fails for the first request it proposes for; the other one runs to the end
-    for i in range(2):
-        core.add_request(f"d{i}", echo_prompts[i], SamplingParams(max_tokens=8))
-    outcome = {}
-    while core.has_unfinished():
-        for out in core.step():
-            if out.finished:
-                outcome[out.request_id] = out.finish_reason
-    assert sorted(outcome.values()) == ["error", "length"]
+    outcome = [out.finish_reason for out in _finished(engine.core, "d", echo_prompts[:2])]
+    assert sorted(outcome) == ["error", "length"]
     assert_pool_whole(engine)
+
+
+def _finished(core, prefix: str, prompts: list[list[int]]) -> list:
+    """Run the prompts (8 greedy tokens each) through the core to the end: their final outputs."""
+    for i, ids in enumerate(prompts):
+        core.add_request(f"{prefix}{i}", ids, SamplingParams(max_tokens=8))
+    finished = []
+    while core.has_unfinished():
+        finished += [out for out in core.step() if out.finished]
+    return finished
 
 
 def test_prompt_lookup_at_load_time_and_bad_values(tiny_paged_artifact, self_int4_artifact):
