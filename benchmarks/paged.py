@@ -49,7 +49,7 @@ import numpy as np
 import fxllm
 from decode import CACHE_DIR, ensure_artifact, environment, first_difference, script_main
 from fxllm.compiler.sources import resolve_source
-from fxllm.runtime.contract import ModelSpec
+from fxllm.runtime.contract import ModelIO, ModelSpec, TensorSig
 from fxllm.errors import FxllmError
 from fxllm.runtime.manifest import load_manifest
 from fxllm.runtime.block_manager import BlockManager, OutOfBlocks
@@ -188,8 +188,9 @@ def prepare_artifact(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 def layout(manifest: dict[str, Any]) -> Layout:
     spec = ModelSpec.from_dict(manifest["spec"])
-    block_size = next(sig["dims"][1] for sig in manifest["io"]["inputs"] if sig["name"] == "key_cache_0")
-    return Layout(int(block_size), spec.kv_bytes_per_token(),
+    io = ModelIO.from_signature([TensorSig.from_dict(sig) for sig in manifest["io"]["inputs"]],
+                                [TensorSig.from_dict(sig) for sig in manifest["io"]["outputs"]])
+    return Layout(int(io.block_size), spec.kv_bytes_per_token(),
                   spec.max_positions, spec.vocab_size)
 
 

@@ -15,7 +15,13 @@ verification, and whether the greedy tokens are identical to "no speculation" fo
 greedy verification keeps exactly the target's argmax).
 
 Two tables: natural prompts (--prompts N short instructions / text beginnings), then an "editing" prompt that
-asks the model to repeat a ~150-token paragraph, so that prompt lookup (ngram) finds its matches. Prompts and modes
+asks the model to repeat a ~150-token paragraph, so that prompt lookup (ngram) finds its matches. A third table runs
+the editing workload at --concurrency N (default 8) on a paged artifact of the same fp32 model: N different
+paragraphs to repeat, submitted in one call, plain paged decoding (every running request decoded once per call)
+against ngram k=4 (prompt lookup switched on at load time; every running request's drafts verified in one call),
+with the speedup and its decode-phase share (prefill, identical in both rows, excluded), the acceptance, the mean
+decode batch and whether the greedy tokens are identical; the machine's load average is printed with it. Target of
+the engine-core issue: ngram at concurrency N >= 1.5x plain paged at concurrency N. Prompts and modes
 are interleaved (for each prompt, every row in turn) so load from other processes hits all rows alike; with
 --repeats R each (row, prompt) keeps its fastest of R runs. After each table come the per-forward costs behind
 each row and the expected speedup (1 - a^(k+1)) / ((1 - a) (k c + 1)), with c the draft's cost per proposed token
@@ -27,21 +33,26 @@ natural prompts, reported as met or missed.
     .venv/bin/python benchmarks/speculative.py                      # SmolLM2-135M fp32, 64 tokens, 4 prompts
     .venv/bin/python benchmarks/speculative.py --ks 2,4,6,8 --layers 12 --json spec.json
     .venv/bin/python benchmarks/speculative.py --quick              # 2 prompts, 24 tokens, k=4 only
+    .venv/bin/python benchmarks/speculative.py --tables concurrency --repeats 3   # the concurrency table alone
 
 Artifacts (fp32 target + draft) are compiled on the first run into ~/.cache/fxllm/bench/<model>--spec-<mode>
-(self-int4, self-layers-N, ngram) and reused while their recorded draft matches; --recompile rebuilds them.
+(self-int4, self-layers-N, ngram) and reused while their recorded draft matches; --recompile rebuilds them. The
+concurrency table's paged artifact is benchmarks/paged.py's (~/.cache/fxllm/bench/<model>--paged, blocks of 16),
+or --paged-artifact.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decode import CACHE_DIR, environment, first_difference, script_main
+from decode import CACHE_DIR, ensure_artifact as ensure_compiled, environment, first_difference, script_main
+from paged import PAGED_PASSES
 
 import fxllm
 from fxllm.compiler.draft import parse_draft
@@ -70,7 +81,47 @@ PARAGRAPH = (
     "boat could make the crossing. Today a small museum in the old keeper's cottage shows the original lens, a "
     "brass telescope, and a map of every wreck recorded on the reefs."
 )
-EDITING_PROMPT = f"Repeat the following text exactly:\n{PARAGRAPH}\n\nRepeated text:\n"
+# More paragraphs for the editing workload at concurrency: one different text per concurrent request.
+MORE_PARAGRAPHS = [
+    "The village bakery opens at five in the morning, long before the first bus leaves for the city. The baker "
+    "lights the wood oven at three, shapes the rye loaves while it heats, and sets aside a tray of small rolls "
+    "for the children who stop by on their way to school. On Saturdays the queue reaches the church steps, and "
+    "whoever arrives after eight finds only crumbs, a chalkboard apology, and the smell of bread in the empty shop.",
+    "A glacier moves so slowly that it seems to stand still, yet it carries boulders the size of houses for "
+    "hundreds of kilometres. As it creeps downhill the ice grinds the rock beneath it into fine powder, which "
+    "turns the meltwater rivers a milky green. When the climate warms the glacier retreats, leaving behind long "
+    "ridges of gravel, polished stone, and lakes that fill the hollows it once scraped out of the valley floor.",
+    "The old railway station was closed in 1968, when the branch line was replaced by a bus that ran twice a "
+    "day. For thirty years the building stood empty, its platform covered in moss and its clock stopped at "
+    "twenty past four. Then a group of volunteers bought it for a single pound, repaired the roof, restored the "
+    "ticket office, and opened a cafe where walkers now rest before climbing the hill to the ruined castle.",
+    "Honeybees communicate the location of food with a dance. A forager returning to the hive walks in a figure "
+    "of eight, waggling her body during the straight run in the middle. The angle of that run relative to "
+    "vertical shows the direction of the flowers relative to the sun, and the length of the waggle tells her "
+    "sisters how far they must fly. Within minutes dozens of bees leave the hive on exactly the right heading.",
+    "The town council met on Tuesday evening to discuss the new footbridge over the river. Engineers presented "
+    "three designs: a steel arch, a timber truss, and a suspension bridge hung from two stone towers. Residents "
+    "worried about the cost, the noise of construction, and whether the bridge would spoil the view of the "
+    "harbour. After two hours of debate the council chose the timber truss and promised a public vote in spring.",
+    "A good map tells you what its makers thought was important. Early sea charts show every rock and shoal "
+    "along the coast but leave the interior blank, because sailors cared about the shore and little else. Road "
+    "atlases of the last century mark petrol stations and motels, and the maps on our phones show cafes and "
+    "shops, quietly recording where we walk so that the next version can show us even more of what we want.",
+    "In the workshop behind the museum a conservator spends months on a single painting. She removes the "
+    "yellowed varnish with cotton swabs and solvent, a square centimetre at a time, then photographs the surface "
+    "under ultraviolet light to find earlier repairs. Where paint has flaked away she fills the gaps with a "
+    "reversible putty and retouches only the losses, so that a future conservator can undo everything she did.",
+]
+EDITING_PARAGRAPHS = [PARAGRAPH, *MORE_PARAGRAPHS]
+
+
+def editing_prompt(paragraph: str) -> str:
+    return f"Repeat the following text exactly:\n{paragraph}\n\nRepeated text:\n"
+
+
+EDITING_PROMPT = editing_prompt(PARAGRAPH)
+PLAIN_PAGED = "plain paged"
+TARGET_CONCURRENT_SPEEDUP = 1.5
 BASELINE = "no speculation"
 TARGET_SPEEDUP = 1.8
 TARGET_MODE = "self-int4"
@@ -136,7 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recompile", action="store_true", help="rebuild the cached artifacts")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--quick", action="store_true", help="smoke run: at most 2 prompts and 24 tokens, k=4")
+    parser.add_argument("--tables", type=parse_tables, default=TABLES, metavar="T[,T...]",
+                        help=f"which tables to run, of {','.join(TABLES)}")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help=f"concurrent requests of the concurrency table, 1-{len(EDITING_PARAGRAPHS)}")
+    parser.add_argument("--paged-artifact", type=Path, help="the paged artifact of the concurrency table")
     return parser
+
+
+TABLES = ("natural", "editing", "concurrency")
+
+
+def parse_tables(text: str) -> tuple[str, ...]:
+    tables = tuple(item.strip() for item in text.split(",") if item.strip())
+    if not tables or not set(tables) <= set(TABLES):
+        raise argparse.ArgumentTypeError(f"tables are {', '.join(TABLES)}; got '{text}'")
+    return tables
 
 
 # --- artifacts ---------------------------------------------------------------------------------------------------
@@ -227,6 +293,107 @@ def warm_up(rows: list[Row], engines: dict[str, Any], ids: list[int]) -> None:
         engines[row.name].generate_ids([ids], max_new_tokens=8)
 
 
+# --- the editing workload at concurrency, on the paged cache ---------------------------------------------------
+
+@dataclass
+class ConcurrentRun:
+    """One row's fastest run: every prompt submitted in one generate call."""
+    wall_s: float
+    tokens: int
+    decode_s: float  # the engine's decode calls (verification included); prefill calls excluded
+    decode_tokens: int
+    mean_decode_batch: float
+    speculative: Any  # SpeculativeMetrics of the run, None for plain paged
+    token_ids: list[list[int]]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+def measure_concurrent(engines: dict[str, Any], prompts: list[list[int]], new_tokens: int,
+                       repeats: int) -> dict[str, ConcurrentRun]:
+    """Each engine runs all prompts at once, in turns, `repeats` times; per engine the fastest run counts."""
+    best: dict[str, ConcurrentRun] = {}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            before = engine.stats()
+            start = time.perf_counter()
+            results = engine.generate_ids(prompts, max_new_tokens=new_tokens)
+            wall = time.perf_counter() - start
+            stats = engine.stats().since(before)
+            tokens = [list(r.token_ids) for r in results]
+            if any(len(ids) != new_tokens for ids in tokens):
+                raise SystemExit(f"speculative.py: {name} generated fewer than {new_tokens} tokens for a prompt")
+            decode_tokens = sum(map(len, tokens)) - len(prompts)  # each prompt's first token comes from its prefill
+            run = ConcurrentRun(wall, sum(map(len, tokens)), stats.decode_seconds, decode_tokens,
+                                stats.mean_decode_batch, stats.speculative, tokens)
+            if name not in best or wall < best[name].wall_s:
+                best[name] = run
+        print("  " + "  ".join(f"{name} {run.tokens_per_s:.1f} tokens/s" for name, run in best.items()), flush=True)
+    return best
+
+
+def format_concurrent_table(runs: dict[str, ConcurrentRun], concurrency: int) -> str:
+    baseline = runs[PLAIN_PAGED]
+    header = ["mode", "concurrency", "tokens/s", "speedup", "decode tokens/s", "decode speedup", "acceptance",
+              "tokens/target call", "mean decode batch", "greedy identical"]
+    lines = []
+    for name, run in runs.items():
+        spec = run.speculative
+        same = [first_difference(ids, ref) for ids, ref in zip(run.token_ids, baseline.token_ids)]
+        wrong = [f"p{i + 1}@{index}" for i, index in enumerate(same) if index is not None]
+        lines.append([name, str(concurrency), f"{run.tokens_per_s:.1f}",
+                      f"{run.tokens_per_s / baseline.tokens_per_s:.2f}x", f"{run.decode_tokens_per_s:.1f}",
+                      f"{run.decode_tokens_per_s / baseline.decode_tokens_per_s:.2f}x",
+                      percent(spec.acceptance_rate) if spec else "-",
+                      f"{spec.tokens_per_target_call:.2f}" if spec else "-", f"{run.mean_decode_batch:.1f}",
+                      "(reference)" if spec is None else ("yes" if not wrong else f"NO ({', '.join(wrong)})")])
+    return markdown_table(header, lines)
+
+
+def load_average() -> str:
+    try:
+        return "load average " + " / ".join(f"{value:.1f}" for value in os.getloadavg()) + " (1 / 5 / 15 min)"
+    except OSError:
+        return "load average unknown"
+
+
+def run_concurrency(args: argparse.Namespace, model_name: str) -> dict[str, Any]:
+    directory = args.paged_artifact or CACHE_DIR / f"{model_name}--paged"
+    if args.paged_artifact is None:
+        ensure_compiled(args.model, directory, PAGED_PASSES.format(block_size=16), args.recompile)
+    engines = {PLAIN_PAGED: fxllm.load(directory, threads=args.threads, speculative=False),
+               "ngram k=4": fxllm.load(directory, threads=args.threads, speculative="ngram", spec_k=4)}
+    for engine in engines.values():
+        if not engine.paged:
+            raise SystemExit(f"speculative.py: {directory} is not a paged artifact")
+        engine.eos_token_ids = set()
+    tokenizer = engines[PLAIN_PAGED].tokenizer
+    prompts = [list(tokenizer.encode(editing_prompt(p))) for p in EDITING_PARAGRAPHS[:args.concurrency]]
+    print(f"\nediting workload at concurrency {args.concurrency} on the paged artifact {directory} "
+          f"({', '.join(str(len(ids)) for ids in prompts)} prompt tokens), {args.new_tokens} new tokens each; "
+          f"{load_average()}", flush=True)
+    for engine in engines.values():  # warm-up
+        engine.generate_ids(prompts[:2], max_new_tokens=8)
+    runs = measure_concurrent(engines, prompts, args.new_tokens, args.repeats)
+    print(format_concurrent_table(runs, args.concurrency))
+    speedup = runs["ngram k=4"].tokens_per_s / runs[PLAIN_PAGED].tokens_per_s
+    verdict = "MET" if speedup >= TARGET_CONCURRENT_SPEEDUP else "MISSED"
+    print(f"target: ngram at concurrency {args.concurrency} >= {TARGET_CONCURRENT_SPEEDUP}x plain paged at "
+          f"concurrency {args.concurrency}: {speedup:.2f}x → {verdict}; {load_average()}")
+    return {"artifact": str(directory), "concurrency": args.concurrency, "speedup": speedup,
+            "rows": {name: {"wall_s": r.wall_s, "tokens": r.tokens, "tokens_per_s": r.tokens_per_s,
+                            "decode_s": r.decode_s, "decode_tokens_per_s": r.decode_tokens_per_s,
+                            "mean_decode_batch": r.mean_decode_batch,
+                            "speculative": vars(r.speculative) if r.speculative else None, "token_ids": r.token_ids}
+                     for name, r in runs.items()}}
+
+
 # --- reporting ---------------------------------------------------------------------------------------------------
 
 def greedy_verdict(tally: Tally, baseline: Tally) -> tuple[bool, str]:
@@ -259,6 +426,11 @@ def format_table(rows: list[Row], tallies: dict[str, Tally]) -> str:
             percent(t.verify_s / t.wall_s) if speculative else "-",
             greedy_verdict(t, baseline)[1] if speculative else "(reference)",
         ])
+    return markdown_table(header, lines)
+
+
+def markdown_table(header: list[str], lines: list[list[str]]) -> str:
+    """A markdown table: the first column left-aligned, the others right-aligned."""
     widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -354,11 +526,31 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--new-tokens must be at least 2, --threads and --repeats at least 1")
     if not 1 <= args.prompts <= len(NATURAL_PROMPTS):
         parser.error(f"--prompts must be between 1 and {len(NATURAL_PROMPTS)}")
+    if not 1 <= args.concurrency <= len(EDITING_PARAGRAPHS):
+        parser.error(f"--concurrency must be between 1 and {len(EDITING_PARAGRAPHS)}")
     if args.layers < 1:
         parser.error("--layers must be at least 1")
     source = resolve_source(args.model)
+    env = environment()
+    print(f"model {source.name} (fp32 target) | {args.new_tokens} new tokens | {args.threads} threads | greedy | "
+          f"fastest of {args.repeats} | {env['cpus']} CPUs ({env['machine']}) | onnxruntime {env['onnxruntime']} | "
+          f"{load_average()}", flush=True)
+    start = time.perf_counter()
+    out: dict[str, Any] = {"environment": env}
+    if {"natural", "editing"} & set(args.tables):
+        out |= run_batch_one(args, parser, source.name)
+    if "concurrency" in args.tables:
+        out["concurrency"] = run_concurrency(args, source.name)
+    print(f"measured in {time.perf_counter() - start:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+def run_batch_one(args: argparse.Namespace, parser: argparse.ArgumentParser, model_name: str) -> dict[str, Any]:
+    """The natural and editing tables: every draft mode against no speculation, one request at a time."""
     layers_mode = f"self-layers:{args.layers}"
-    artifacts = {mode: ensure_artifact(args.model, source.name, mode, args.recompile)
+    artifacts = {mode: ensure_artifact(args.model, model_name, mode, args.recompile)
                  for mode in ("self-int4", layers_mode, "ngram")}
     rows = [Row(BASELINE, None, artifacts["self-int4"])]
     rows += [Row(f"self-int4 k={k}", "self-int4", artifacts["self-int4"], k) for k in args.ks]
@@ -371,52 +563,44 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     max_positions = engines[BASELINE].max_context
     if max(len(ids) for ids in natural + editing) + args.new_tokens > max_positions:
         parser.error(f"the prompts plus {args.new_tokens} new tokens exceed the context of {max_positions}")
-
-    env = environment()
-    print(f"model {source.name} (fp32 target) | {args.new_tokens} new tokens | {args.threads} threads | batch 1, "
-          f"greedy | fastest of {args.repeats} | {env['cpus']} CPUs ({env['machine']}) | onnxruntime "
-          f"{env['onnxruntime']}", flush=True)
-    start = time.perf_counter()
     warm_up(rows, engines, natural[0])
     sets = {"natural": natural, "editing": editing}
     labels = {"natural": f"natural prompts ({len(natural)}: "
                          f"{', '.join(str(len(ids)) for ids in natural)} tokens)",
               "editing": f"editing prompt (repeat a paragraph; {len(editing[0])} tokens)"}
     results: dict[str, Any] = {}
-    for name, prompts in sets.items():
-        print(f"\n{labels[name]}, {args.new_tokens} new tokens each", flush=True)
-        tallies = measure_set(rows, engines, prompts, args.new_tokens, args.repeats)
+    for name in (table for table in ("natural", "editing") if table in args.tables):
+        print(f"\n{labels[name]}, {args.new_tokens} new tokens each, batch 1", flush=True)
+        tallies = measure_set(rows, engines, sets[name], args.new_tokens, args.repeats)
         print(format_table(rows, tallies))
         records = analysis(rows, tallies)
         print_analysis(records, tallies)
         results[name] = {"tallies": tallies, "analysis": records}
-    verdict = target_verdict(rows, results["natural"]["tallies"])
-    print(f"\ntarget: {TARGET_MODE} at its best k >= {TARGET_SPEEDUP}x over no speculation with identical greedy "
-          f"output (natural prompts): {verdict['row']} is {verdict['speedup']:.2f}x, greedy "
-          f"{'identical' if verdict['identical'] else 'NOT identical'} → {'MET' if verdict['met'] else 'MISSED'}")
-    print(f"measured in {time.perf_counter() - start:.0f} s")
-    if args.json:
-        def table(tallies: dict[str, Tally]) -> list[dict[str, Any]]:
-            baseline = tallies[BASELINE]
-            return [{"row": row.name, "mode": row.mode, "k": row.k, "wall_s": tallies[row.name].wall_s,
-                     "tokens": tallies[row.name].tokens, "tokens_per_s": tallies[row.name].tokens_per_s,
-                     "speedup": tallies[row.name].tokens_per_s / baseline.tokens_per_s,
-                     "acceptance_rate": tallies[row.name].acceptance_rate,
-                     "tokens_per_target_call": tallies[row.name].tokens_per_target_call,
-                     "proposed": tallies[row.name].proposed, "accepted": tallies[row.name].accepted,
-                     "target_calls": tallies[row.name].target_calls, "draft_s": tallies[row.name].draft_s,
-                     "verify_s": tallies[row.name].verify_s,
-                     "greedy_identical": greedy_verdict(tallies[row.name], baseline)[0],
-                     "token_ids": tallies[row.name].token_ids} for row in rows]
+    verdict = None
+    if "natural" in results:
+        verdict = target_verdict(rows, results["natural"]["tallies"])
+        print(f"\ntarget: {TARGET_MODE} at its best k >= {TARGET_SPEEDUP}x over no speculation with identical "
+              f"greedy output (natural prompts): {verdict['row']} is {verdict['speedup']:.2f}x, greedy "
+              f"{'identical' if verdict['identical'] else 'NOT identical'} → {'MET' if verdict['met'] else 'MISSED'}")
 
-        config = {"model": args.model, "new_tokens": args.new_tokens, "prompts": NATURAL_PROMPTS[:args.prompts],
-                  "editing_prompt": EDITING_PROMPT, "ks": args.ks, "layers": args.layers, "threads": args.threads,
-                  "repeats": args.repeats, "artifacts": {mode: str(path) for mode, path in artifacts.items()}}
-        out = {"config": config, "environment": env, "target": verdict,
-               "results": {name: {"rows": table(r["tallies"]), "analysis": r["analysis"]}
-                           for name, r in results.items()}}
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    def table(tallies: dict[str, Tally]) -> list[dict[str, Any]]:
+        baseline = tallies[BASELINE]
+        return [{"row": row.name, "mode": row.mode, "k": row.k, "wall_s": tallies[row.name].wall_s,
+                 "tokens": tallies[row.name].tokens, "tokens_per_s": tallies[row.name].tokens_per_s,
+                 "speedup": tallies[row.name].tokens_per_s / baseline.tokens_per_s,
+                 "acceptance_rate": tallies[row.name].acceptance_rate,
+                 "tokens_per_target_call": tallies[row.name].tokens_per_target_call,
+                 "proposed": tallies[row.name].proposed, "accepted": tallies[row.name].accepted,
+                 "target_calls": tallies[row.name].target_calls, "draft_s": tallies[row.name].draft_s,
+                 "verify_s": tallies[row.name].verify_s,
+                 "greedy_identical": greedy_verdict(tallies[row.name], baseline)[0],
+                 "token_ids": tallies[row.name].token_ids} for row in rows]
+
+    config = {"model": args.model, "new_tokens": args.new_tokens, "prompts": NATURAL_PROMPTS[:args.prompts],
+              "editing_prompt": EDITING_PROMPT, "ks": args.ks, "layers": args.layers, "threads": args.threads,
+              "repeats": args.repeats, "artifacts": {mode: str(path) for mode, path in artifacts.items()}}
+    return {"config": config, "target": verdict,
+            "results": {name: {"rows": table(r["tallies"]), "analysis": r["analysis"]} for name, r in results.items()}}
 
 
 def main() -> None:

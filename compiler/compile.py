@@ -80,8 +80,6 @@ def compile_model(
         raise PipelineError("the pipeline must include 'kv-cache': the runtime decodes through a KV cache")
     check_dtype(steps, target, gguf=bool(source.gguf_file))
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
-    if draft_spec is not None and "paged" in provided:
-        raise PipelineError("--draft needs the contiguous KV cache: speculative decoding does not run on `paged` yet")
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
     if draft_source is not None:
         check_supported(source_architecture(draft_source))

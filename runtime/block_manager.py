@@ -1,26 +1,23 @@
-"""Paged KV-cache block manager: maps each sequence's token positions onto fixed-size blocks of one shared KV pool,
-with reference-counted sharing (fork, copy-on-write) and prefix caching of full blocks under a chained hash."""
+"""Paged KV-cache block manager: maps each sequence's token positions onto fixed-size blocks of one shared KV pool
+(runtime/block_pool.py), with reference-counted sharing (fork, copy-on-write) and prefix caching of full blocks
+under a chained hash.
+
+A sequence's slots are reserved ahead of the model call that writes them (append_slots) and committed once its
+KV is written (commit_tokens); only committed tokens ever enter the prefix cache, and only in full blocks. So
+speculative decoding may write draft tokens into reserved slots, commit the accepted ones and give the rest back
+(release_slots): a rejected token never lands in a hashed block, and a block the rollback empties returns to the
+free list uncached.
+"""
 
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fxllm.errors import GenerationError
+from fxllm.runtime.block_pool import ROOT_HASH, BlockPool, OutOfBlocks, block_hash, expect
 
-_ROOT_HASH = bytes(32)  # the "parent" of a sequence's first block
-
-
-class OutOfBlocks(GenerationError):
-    """Not enough free KV blocks for the request. The manager's state is unchanged: the caller can wait or preempt."""
-
-    def __init__(self, needed: int, free: int, total: int) -> None:
-        super().__init__(f"need {needed} free KV blocks but only {free} of {total} are free; "
-                         "wait for sequences to finish or preempt one, then retry")
-        self.needed = needed
-        self.free = free
+__all__ = ["BlockManager", "OutOfBlocks"]
 
 
 @dataclass
@@ -31,19 +28,8 @@ class _Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chained hash of each full committed block (prefix caching)
 
 
-def _block_hash(parent: bytes, tokens: Iterable[int]) -> bytes:
-    # sha256 rather than hash(): Python's hash is cheap to collide on purpose, and a collision would hand one
-    # request another's KV. The parent digest has a fixed length, so parent + tokens parses one way only.
-    return hashlib.sha256(parent + ",".join(map(str, tokens)).encode()).digest()
-
-
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _expect(condition: bool, message: str) -> None:
-    if not condition:  # not `assert`: the check must also run under python -O
-        raise AssertionError(message)
 
 
 class BlockManager:
@@ -61,11 +47,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_hits = 0  # in blocks
         self.prefix_queries = 0  # in blocks: full prompt blocks looked up in the prefix cache
-        self._refs = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))  # ref 0, no cached content
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with cached content, least recently used first
-        self._hash_to_block: dict[bytes, int] = {}
-        self._block_to_hash: dict[int, bytes] = {}
+        self._pool = BlockPool(num_blocks)
         self._seqs: dict[int, _Sequence] = {}
 
     # ---- metrics and lookups
@@ -73,7 +55,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take, cached-but-unreferenced ones included."""
-        return len(self._free) + len(self._evictable)
+        return self._pool.num_free
 
     @property
     def num_used_blocks(self) -> int:
@@ -82,7 +64,7 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks registered in the prefix cache, referenced or not."""
-        return len(self._block_to_hash)
+        return self._pool.num_cached
 
     @property
     def capacity_tokens(self) -> int:
@@ -117,7 +99,7 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         if not 0 <= block_id < self.num_blocks:
             raise GenerationError(f"block id {block_id} is out of range [0, {self.num_blocks})")
-        return self._refs[block_id]
+        return self._pool.refs[block_id]
 
     def waste(self) -> float:
         """Fraction of the allocated slots (a shared block counted once) that no live sequence has reserved."""
@@ -147,10 +129,8 @@ class BlockManager:
         if needed > self.num_free_blocks:
             raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks)
         for block in hits:
-            if self._refs[block] == 0:
-                del self._evictable[block]
-            self._refs[block] += 1
-        blocks = hits + [self._take_block() for _ in range(self.blocks_needed(len(tokens)) - len(hits))]
+            self._pool.acquire(block)
+        blocks = hits + [self._pool.take() for _ in range(self.blocks_needed(len(tokens)) - len(hits))]
         cached = len(hits) * self.block_size
         self._seqs[seq_id] = _Sequence(blocks, tokens[:cached], len(tokens), hashes)
         if self.enable_prefix_caching and reuse_cached:
@@ -172,13 +152,25 @@ class BlockManager:
             raise OutOfBlocks(len(cow) + new, self.num_free_blocks, self.num_blocks)
         copies = []
         for i in cow:
-            src, dst = seq.blocks[i], self._take_block()
-            self._refs[src] -= 1  # stays >= 1: another sequence still holds it
+            src, dst = seq.blocks[i], self._pool.take()
+            self._pool.release(src)  # stays held: another sequence still holds it
             seq.blocks[i] = dst
             copies.append((src, dst))
-        seq.blocks.extend(self._take_block() for _ in range(new))
+        seq.blocks.extend(self._pool.take() for _ in range(new))
         seq.reserved += count
         return copies
+
+    def release_slots(self, seq_id: int) -> None:
+        """Give back the slots reserved past the committed tokens (speculative decoding rolls back its rejected
+        draft tokens): the table keeps only the blocks its committed tokens need; the others, which hold no
+        committed token and so were never cached, return to the free list. Whatever was written into the released
+        slots is garbage that the next write at those positions replaces."""
+        seq = self._seq(seq_id)
+        keep = self.blocks_needed(len(seq.tokens))
+        for block in reversed(seq.blocks[keep:]):
+            self._pool.release(block)
+        del seq.blocks[keep:]
+        seq.reserved = len(seq.tokens)
 
     def slot_mapping(self, seq_id: int, start: int, count: int) -> list[int]:
         """Pool slot (block_id * block_size + offset) of each token position start .. start+count-1, where the caller
@@ -209,7 +201,7 @@ class BlockManager:
         if child_id in self._seqs:
             raise GenerationError(f"cannot fork into sequence {child_id}: it already exists")
         for block in parent.blocks:
-            self._refs[block] += 1
+            self._pool.acquire(block)
         self._seqs[child_id] = _Sequence(list(parent.blocks), list(parent.tokens), parent.reserved,
                                          list(parent.hashes))
 
@@ -219,7 +211,7 @@ class BlockManager:
         # Tail first: eviction takes the least recently released, and the tail is the part other prompts are least
         # likely to share.
         for block in reversed(seq.blocks):
-            self._release(block)
+            self._pool.release(block)
 
     # ---- consistency
 
@@ -227,33 +219,19 @@ class BlockManager:
         """Raise AssertionError naming the first broken invariant of the block bookkeeping."""
         owners = [0] * self.num_blocks
         for sid, seq in self._seqs.items():
-            _expect(len(set(seq.blocks)) == len(seq.blocks), f"sequence {sid} holds a block twice: {seq.blocks}")
-            _expect(len(seq.blocks) == self.blocks_needed(seq.reserved),
-                    f"sequence {sid} has {len(seq.blocks)} blocks for {seq.reserved} reserved slots")
-            _expect(len(seq.tokens) <= seq.reserved,
-                    f"sequence {sid} committed {len(seq.tokens)} tokens into {seq.reserved} slots")
+            expect(len(set(seq.blocks)) == len(seq.blocks), f"sequence {sid} holds a block twice: {seq.blocks}")
+            expect(len(seq.blocks) == self.blocks_needed(seq.reserved),
+                   f"sequence {sid} has {len(seq.blocks)} blocks for {seq.reserved} reserved slots")
+            expect(len(seq.tokens) <= seq.reserved,
+                   f"sequence {sid} committed {len(seq.tokens)} tokens into {seq.reserved} slots")
             full = len(seq.tokens) // self.block_size if self.enable_prefix_caching else 0
-            _expect(len(seq.hashes) == full, f"sequence {sid} has {len(seq.hashes)} block hashes, expected {full}")
+            expect(len(seq.hashes) == full, f"sequence {sid} has {len(seq.hashes)} block hashes, expected {full}")
             for i, block in enumerate(seq.blocks):
                 owners[block] += 1
-                cached = self._block_to_hash.get(block)
-                _expect(cached is None or i < len(seq.hashes) and seq.hashes[i] == cached,
-                        f"cached block {block} is logical block {i} of sequence {sid} with different content")
-        for block, (refs, owned) in enumerate(zip(self._refs, owners)):
-            _expect(refs == owned, f"block {block} has ref count {refs} but {owned} owners")
-        free = list(self._free) + list(self._evictable)
-        _expect(len(set(free)) == len(free), "a block is in the free pool twice")
-        for block in free:
-            _expect(self._refs[block] == 0, f"block {block} is free but has ref count {self._refs[block]}")
-        used = sum(refs > 0 for refs in self._refs)
-        _expect(len(free) + used == self.num_blocks,
-                f"{len(free)} free + {used} used blocks != {self.num_blocks} total")
-        _expect(all(block in self._block_to_hash for block in self._evictable), "an evictable block is not cached")
-        _expect(not any(block in self._block_to_hash for block in self._free), "a never-cached free block is cached")
-        _expect(len(self._hash_to_block) == len(self._block_to_hash)
-                and all(self._block_to_hash.get(block) == h for h, block in self._hash_to_block.items()),
-                "the hash -> block and block -> hash maps disagree")
-        _expect(self.enable_prefix_caching or not self._hash_to_block, "blocks cached with prefix caching off")
+                cached = self._pool.cached_hash(block)
+                expect(cached is None or i < len(seq.hashes) and seq.hashes[i] == cached,
+                       f"cached block {block} is logical block {i} of sequence {sid} with different content")
+        self._pool.check_invariants(owners, self.enable_prefix_caching)
 
     # ---- internals
 
@@ -274,22 +252,11 @@ class BlockManager:
         """Cached blocks holding the prompt's leading full blocks (the last token excluded), and their hashes."""
         if not self.enable_prefix_caching:
             return [], []
-        size = self.block_size
-        blocks: list[int] = []
-        hashes: list[bytes] = []
-        parent = _ROOT_HASH
-        for i in range((len(tokens) - 1) // size):
-            parent = _block_hash(parent, tokens[i * size:(i + 1) * size])
-            block = self._hash_to_block.get(parent)
-            if block is None:
-                break
-            blocks.append(block)
-            hashes.append(parent)
-        return blocks, hashes
+        return self._pool.cached_prefix(tokens[:len(tokens) - 1], self.block_size)
 
     def _blocks_to_take(self, tokens: list[int], hits: list[int]) -> int:
         # A hit on an unreferenced cached block takes it out of the free pool just like a fresh block.
-        return self.blocks_needed(len(tokens)) - len(hits) + sum(self._refs[block] == 0 for block in hits)
+        return self.blocks_needed(len(tokens)) - len(hits) + sum(self._pool.refs[block] == 0 for block in hits)
 
     def _append_plan(self, seq: _Sequence, count: int) -> tuple[list[int], int]:
         """Logical indices of shared blocks holding a slot still to be written, and how many new blocks are needed."""
@@ -299,7 +266,7 @@ class BlockManager:
         cow = []
         if end > len(seq.tokens):
             first = len(seq.tokens) // self.block_size  # every table block from here on holds an unwritten slot
-            cow = [i for i in range(first, len(seq.blocks)) if self._refs[seq.blocks[i]] > 1]
+            cow = [i for i in range(first, len(seq.blocks)) if self._pool.refs[seq.blocks[i]] > 1]
         return cow, self.blocks_needed(end) - len(seq.blocks)
 
     def _check_range(self, seq_id: int, seq: _Sequence, start: int, count: int) -> None:
@@ -314,35 +281,14 @@ class BlockManager:
         if stop <= first_unwritten:
             return
         for i in range(first_unwritten // size, -(-stop // size)):
-            if self._refs[seq.blocks[i]] > 1:
+            if self._pool.refs[seq.blocks[i]] > 1:
                 raise GenerationError(f"sequence {seq_id}'s block {seq.blocks[i]} is shared and would be written; "
                                       "call append_slots first to copy it")
 
     def _register_full_blocks(self, seq: _Sequence) -> None:
         size = self.block_size
         for i in range(len(seq.hashes), len(seq.tokens) // size):
-            parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
-            digest = _block_hash(parent, seq.tokens[i * size:(i + 1) * size])
+            parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+            digest = block_hash(parent, seq.tokens[i * size:(i + 1) * size])
             seq.hashes.append(digest)
-            # Another block may already hold this content (two sequences computed it concurrently): keep that one.
-            if digest not in self._hash_to_block:
-                self._hash_to_block[digest] = seq.blocks[i]
-                self._block_to_hash[seq.blocks[i]] = digest
-
-    def _take_block(self) -> int:
-        """A free block, preferring never-cached ones; else evict the least recently released cached one."""
-        if self._free:
-            block = self._free.popleft()
-        else:
-            block, _ = self._evictable.popitem(last=False)
-            del self._hash_to_block[self._block_to_hash.pop(block)]
-        self._refs[block] = 1
-        return block
-
-    def _release(self, block: int) -> None:
-        self._refs[block] -= 1
-        if self._refs[block] == 0:
-            if block in self._block_to_hash:
-                self._evictable[block] = None
-            else:
-                self._free.append(block)
+            self._pool.register(seq.blocks[i], digest)

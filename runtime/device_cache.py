@@ -86,12 +86,18 @@ class TorchPagedPool:
         return feeds
 
     def write(self, outputs: dict[str, Any], slots: np.ndarray) -> None:
-        """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset)."""
-        index = _index(self.keys[0], slots)
+        """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset); a slot of -1
+        (a padding position) is not written."""
+        valid = slots >= 0
+        every = bool(valid.all())
+        index = _index(self.keys[0], slots if every else slots[valid])
+        mask = None if every else _index(self.keys[0], valid).bool()
         blocks, offsets = index // self.block_size, index % self.block_size
         for i, (keys, values) in enumerate(zip(self.keys, self.values)):
-            keys[blocks, offsets] = outputs[cache_output(PAGED, "key", i)].transpose(1, 2).to(keys.dtype)
-            values[blocks, offsets] = outputs[cache_output(PAGED, "value", i)].transpose(1, 2).to(values.dtype)
+            new_keys = outputs[cache_output(PAGED, "key", i)].transpose(1, 2)
+            new_values = outputs[cache_output(PAGED, "value", i)].transpose(1, 2)
+            keys[blocks, offsets] = (new_keys if every else new_keys[mask]).to(keys.dtype)
+            values[blocks, offsets] = (new_values if every else new_values[mask]).to(values.dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate source blocks into their new private blocks."""

@@ -8,45 +8,28 @@ import os
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from fxllm.errors import ArtifactError, GenerationError, InvalidArgumentError
+from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.backend import Backend, load_backend
+from fxllm.runtime.checks import describe
 from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.runtime.driver import CoreDriver
 from fxllm.runtime.engine_core import EngineCore
-from fxllm.runtime.manifest import Manifest, load_manifest
-from fxllm.runtime.metrics import EngineStats, RequestMetrics
+from fxllm.runtime.manifest import Manifest, SpeculativePlan, load_manifest
+from fxllm.runtime.metrics import EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import RequestOutput, SamplingParams
 from fxllm.runtime.request_validation import (GenerationRequest, check_engine_options, check_kv_pool, check_prompt,
                                               check_prompt_ids, check_prompts, check_request)
+from fxllm.runtime.results import GenerationResult, collector, raise_failure
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
 
-
-@dataclass
-class GenerationResult:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = "length"  # "eos" | "stop" | "length" | "context"
-    timings: dict[str, float] = field(default_factory=dict)  # this request's: prefill_ms, decode_ms_per_token...
-    metrics: RequestMetrics | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "prompt": self.prompt,
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "timings": self.timings,
-        }
+DEFAULT_NGRAM_K = 4  # prompt lookup asked for at load time on an artifact compiled without a draft
 
 
 class Engine:
@@ -71,19 +54,13 @@ class Engine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         blocks = self._pool_blocks() if self.paged else None  # sized now, so a bad KV budget fails at load time
         self.runner = ModelRunner.create(backend, self.io, self.spec, pad, blocks)
-        self.speculator = None  # a SpeculativeDecoder when the artifact holds a draft
-        if speculative is not None:
-            from fxllm.runtime.speculative_decoder import SpeculativeDecoder
-
-            mode, k, draft = speculative
-            self.speculator = SpeculativeDecoder(self.runner, draft.runner if draft else None, mode, k,
-                                                 self.max_context, draft.max_context if draft else None)
+        self.speculator = _speculator(self.runner, self.paged, self.max_context, speculative)
         if self.paged:
             from fxllm.runtime.block_manager import BlockManager
 
             manager = BlockManager(blocks, self.block_size, prefix_caching)
-            scheduler = PagedScheduler(manager, max_batch, max_tokens_per_step)
-        else:  # speculative decoding verifies one request at a time
+            scheduler = PagedScheduler(manager, max_batch, max_tokens_per_step, speculative=bool(self.speculator))
+        else:  # speculative decoding on a contiguous cache verifies one request at a time
             scheduler = StaticBatchScheduler(1 if self.speculator else max_batch)
         self.core = EngineCore(self.runner, scheduler, tokenizer, eos_token_ids, self.max_context,
                                self.spec.vocab_size, encode=self.encode, speculator=self.speculator)
@@ -93,7 +70,7 @@ class Engine:
     def load(cls, path: str | os.PathLike, threads: int | None = None, providers: list[str] | None = None,
              verify: bool = True, backend: str = "onnxruntime", kv_cache_memory: int | str | None = None,
              kv_blocks: int | None = None, max_batch: int = 64, max_tokens_per_step: int = 512,
-             prefix_caching: bool = True, int8_activations: bool | None = None, speculative: bool = True,
+             prefix_caching: bool = True, int8_activations: bool | None = None, speculative: bool | str = True,
              spec_k: int | None = None, spin: bool = True, device: str = "cpu",
              torch_compile: bool = False) -> Engine:
         """backend: "onnxruntime" (any artifact, any machine), "tensorrt" (an artifact with engine.plan) or "torch"
@@ -103,25 +80,26 @@ class Engine:
         computes at most `max_tokens_per_step` prompt tokens; `prefix_caching` shares full KV blocks between
         requests with a common prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize
         activations to int8 (faster, slightly less exact); default: what the artifact recommends (float
-        activations unless it was compiled with --int8-activations). Artifacts compiled with a draft decode speculatively unless speculative=False; spec_k overrides
-        their k. spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft
-        pairs)."""
+        activations unless it was compiled with --int8-activations). Artifacts compiled with a draft decode
+        speculatively unless speculative=False; speculative="ngram" decodes any artifact with prompt lookup (no
+        draft model, nothing to compile; k 4 unless the artifact names one); spec_k overrides k. spin=False stops
+        ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs)."""
         check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
         manifest = load_manifest(Path(path), verify=verify)
-        plan = manifest.speculative if speculative else None
+        plan = _speculative_plan(manifest, speculative)
         # Target and draft sessions alternate on the same cores: threads spinning after one session's call
         # would slow the other's (measured: a 5-token verify 105 ms alternating vs 41 ms without spinning).
+        # Prompt lookup has no draft session: the target spins as without speculation.
         runner = load_backend(manifest, backend, threads, providers,
                               manifest.int8_activations if int8_activations is None else int8_activations,
-                              spin=spin and plan is None, device=device, torch_compile=torch_compile)
+                              spin=spin and (plan is None or plan.draft is None), device=device,
+                              torch_compile=torch_compile)
         tokenizer = load_tokenizer(manifest.tokenizer_dir)
         draft_plan = None
         if plan is not None:
             k = plan.k if spec_k is None else spec_k
             if not 1 <= k <= MAX_SPEC_K:
                 raise InvalidArgumentError("spec_k", f"spec_k must be between 1 and {MAX_SPEC_K}, got {k}")
-            if manifest.io.paged:
-                raise ArtifactError("speculative decoding runs on the contiguous KV cache; compile without `paged`")
             draft = None
             if plan.draft is not None:
                 draft = Engine.load(plan.draft, threads=threads, providers=providers, verify=verify,
@@ -207,14 +185,14 @@ class Engine:
         request_ids = [_new_request_id() for _ in rows]
         done = []
         self.driver.submit([(rid, ids, self._capped(request, ids)) for rid, ids in zip(request_ids, rows)],
-                           [_collector(result, request.max_new_tokens, self.max_context, done) for result in results])
+                           [collector(result, request.max_new_tokens, self.max_context, done) for result in results])
         try:
             self.driver.step_until(lambda: len(done) == len(rows))
         finally:
             if len(done) < len(rows):  # interrupted: leave nothing behind
                 for request_id in request_ids:
                     self.driver.abort(request_id, notify=False)
-        _raise_failure(done)
+        raise_failure(done)
         return results
 
     def stream(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
@@ -242,7 +220,7 @@ class Engine:
                 self.driver.step_until(lambda: bool(buffer))
                 output = buffer.popleft()
                 finished = output.finished
-                _raise_failure([output])
+                raise_failure([output])
                 yield output
         finally:
             if not finished:
@@ -267,41 +245,33 @@ class Engine:
         return replace(request.sampling, max_tokens=room)
 
 
+def _speculative_plan(manifest: Manifest, speculative: bool | str) -> SpeculativePlan | None:
+    """What Engine.load's `speculative` asks for on this artifact."""
+    if speculative is True:
+        return manifest.speculative
+    if speculative is False:
+        return None
+    if speculative == "ngram":  # prompt lookup needs no compiled draft
+        plan = manifest.speculative
+        return SpeculativePlan("ngram", plan.k if plan is not None else DEFAULT_NGRAM_K, None)
+    raise InvalidArgumentError("speculative", "speculative must be True (the artifact's draft, if any), False or "
+                                              f"'ngram', got {describe(speculative)}")
+
+
+def _speculator(runner: ModelRunner, paged: bool, max_context: int, speculative):
+    """speculative: None, or (mode, k, draft Engine or None) → a Speculator over the target's runner: batched on a
+    paged artifact, one request at a time on a contiguous one."""
+    if speculative is None:
+        return None
+    from fxllm.runtime.drafter import Drafter
+    from fxllm.runtime.speculative_decoder import SpeculativeDecoder
+    from fxllm.runtime.speculator import PagedSpeculator
+
+    mode, k, draft = speculative
+    drafter = Drafter(mode, k, runner.spec.vocab_size, draft.runner if draft else None)
+    context = min(max_context, draft.max_context) if draft else max_context  # never propose past either's context
+    return (PagedSpeculator if paged else SpeculativeDecoder)(runner, drafter, k, context)
+
+
 def _new_request_id() -> str:
     return f"engine-{uuid.uuid4().hex}"
-
-
-def _collector(result: GenerationResult, max_new_tokens: int, max_context: int, done: list):
-    """A sink that builds a GenerationResult from a request's outputs; the final output goes to `done`."""
-
-    def sink(output: RequestOutput) -> None:
-        result.token_ids += output.new_token_ids
-        result.text += output.text_delta
-        if not output.finished:
-            return
-        result.finish_reason = _finish_reason(output, len(result.prompt_token_ids) + max_new_tokens >= max_context)
-        result.metrics = output.metrics
-        m = output.metrics
-        result.timings = {"prefill_ms": round(m.prefill_ms, 3), "decode_ms_per_token": round(m.decode_ms_per_token, 3),
-                          "decode_steps": m.decode_steps, "ttft_ms": round(m.time_to_first_token_ms or 0.0, 3),
-                          "total_ms": round(m.e2e_ms or 0.0, 3)}
-        done.append(output)
-
-    return sink
-
-
-def _finish_reason(output: RequestOutput, reaches_context: bool) -> str:
-    """GenerationResult's vocabulary: "eos" (an EOS id), "stop" (a stop string), "context" (prompt + output reached
-    the model's context), "length"."""
-    if output.finish_reason == "stop":
-        return "eos" if isinstance(output.stop_reason, int) else "stop"
-    if output.finish_reason == "length" and reaches_context:
-        return "context"
-    return output.finish_reason
-
-
-def _raise_failure(outputs: list[RequestOutput]) -> None:
-    failed = next((out for out in outputs if out.finish_reason == "error"), None)
-    if failed is not None:
-        raise GenerationError(f"generation failed: {failed.error}")
-

@@ -1,11 +1,12 @@
 """The engine core: requests in, per-step outputs out. Single-threaded by contract (runtime/driver.py shares one
 core between threads; runtime/async_engine.py drives it from an asyncio program).
 
-Each `step()` asks the scheduler for one model call, has the model runner (or the speculative decoder) execute
-it, samples, appends each request's tokens, checks its stop conditions and returns a RequestOutput for every
-request that produced tokens or finished. Requests join (`add_request`) and leave (finish, `abort`) between steps.
-A model call that raises fails exactly the requests in that call (finish_reason "error", blocks freed); the core
-keeps serving the others.
+Each `step()` asks the scheduler for one model call, has the model runner (or the speculator) execute it,
+samples, appends each request's tokens, checks its stop conditions and returns a RequestOutput for every request
+that produced tokens or finished. With a speculator on a paged artifact the step first has the draft propose the
+next round's tokens of every running request that has none (runtime/speculator.py). Requests join (`add_request`)
+and leave (finish, `abort`) between steps. A model call that raises fails exactly the requests in that call
+(finish_reason "error", blocks freed); the core keeps serving the others.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from fxllm.runtime.metrics import EngineCounters, EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams
 from fxllm.runtime.request_validation import check_prompt, check_prompt_length, check_token_ids
-from fxllm.runtime.sampler import sample_rows
+from fxllm.runtime.sampler import SampledTokens, sample_rows
 from fxllm.runtime.scheduler import PREFILL, PagedScheduler, ScheduledBatch, StaticBatchScheduler
-from fxllm.runtime.speculative_decoder import SampledTokens, SpeculativeDecoder
+from fxllm.runtime.speculator import Speculator
 
 logger = logging.getLogger("fxllm.engine")
 
@@ -34,7 +35,7 @@ logger = logging.getLogger("fxllm.engine")
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler: PagedScheduler | StaticBatchScheduler, tokenizer,
                  eos_token_ids: Iterable[int], max_context: int, vocab_size: int,
-                 encode: Callable[[str], list[int]] | None = None, speculator: SpeculativeDecoder | None = None):
+                 encode: Callable[[str], list[int]] | None = None, speculator: Speculator | None = None):
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -108,6 +109,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._ready = self._ready, []
+        if self.speculator is not None:
+            outputs += self._draft()
         batch = self.scheduler.schedule()
         if batch is None:
             for request in list(self.scheduler.waiting):  # unreachable while add_request checks the pool size
@@ -128,18 +131,29 @@ class EngineCore:
                 self.runner.reset()
             return outputs + [self._fail(request, message) for request in batch.requests]
         self._account(batch, time.perf_counter() - start)
-        self.scheduler.update(batch)
+        self.scheduler.update(batch, [result.cached for result in results])
         for request, start_position, result in zip(batch.requests, batch.positions, results):
             output = self._apply(request, start_position, result, batch.kind)
             if output is not None:
                 outputs.append(output)
         return outputs
 
+    def _draft(self) -> list[RequestOutput]:
+        """The draft's proposals for every running request without any; a failing draft fails its request."""
+        failed = []
+        for request in self.speculator.needs_drafts(self.scheduler.running):
+            try:
+                self.speculator.draft(request)
+            except Exception as exc:
+                logger.info("drafting for %r failed: %s", request.request_id, _one_line(exc))
+                failed.append(self._fail(request, _one_line(exc)))
+        return failed
+
     def _execute(self, batch: ScheduledBatch) -> list[SampledTokens]:
-        if self.speculator is not None:
+        if self.speculator is not None and self.speculator.handles(batch):
             return self.speculator.execute(batch)
         out = self.runner.execute(batch)
-        prompt_logits = out.prompt_logits or [None] * len(batch.requests)
+        prompt_logits = out.all_logits or [None] * len(batch.requests)
         if not batch.sample:
             return [SampledTokens([], None, logits) for logits in prompt_logits]
         tokens = sample_rows(out.logits, [r.sampler for r in batch.requests])
@@ -246,7 +260,7 @@ class EngineCore:
             batch = ScheduledBatch(PREFILL, [], [ids], [0], sample=False, prompt_logits=True,
                                    block_tables=[manager.block_table(seq_id)],
                                    slots=[manager.slot_mapping(seq_id, 0, len(ids))])
-            return self.runner.execute(batch).prompt_logits[0]
+            return self.runner.execute(batch).all_logits[0]
         finally:
             manager.free(seq_id)
 

@@ -1,8 +1,9 @@
 """Reading an artifact's manifest.json: schema validation, path confinement, and file checksums.
 
 Nothing in a manifest is trusted: every field is type- and range-checked, every path it names must stay inside the
-artifact directory (relative, no `..`, no symlink resolving outside), and the graph signature must be a complete
-calling convention consistent with the model spec. Any violation is an ArtifactError naming the field.
+artifact directory (relative, no `..`, no symlink resolving outside: runtime/artifact_files.py), and the graph
+signature must be a complete calling convention consistent with the model spec. Any violation is an ArtifactError
+naming the field.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import json
 import os
 import re
 from dataclasses import dataclass, fields
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from fxllm.errors import ArtifactError
-from fxllm.runtime.artifact import sha256_file
+from fxllm.runtime.artifact_files import check_tokenizer_dir, confine, verify_files
 from fxllm.runtime.contract import (ARTIFACT_KIND, FLOAT_DTYPES, FORMAT_VERSION, MANIFEST_FILE, MAX_SPEC_K, TARGETS,
                                     ModelIO, ModelSpec, TensorSig, cache_input)
 
@@ -114,46 +115,6 @@ def parse_manifest(data: Any, directory: Path) -> Manifest:
         fields_.fail("runtime.int8_activations", "must be true or false")
     return Manifest(directory, data, spec, io, frozenset(facts), target, model_file, tokenizer_dir,
                     _speculative(data.get("speculative"), fields_), int8)
-
-
-def verify_files(manifest: Manifest) -> None:
-    """Every listed file exists, is a regular file inside the artifact, and has its recorded size and sha256."""
-    for name, entry in manifest.files.items():
-        file = confine(manifest.directory, name, "files")
-        if not file.is_file():
-            raise ArtifactError(f"artifact file '{name}' is missing from '{manifest.directory}'")
-        if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
-            raise ArtifactError(f"artifact file '{name}' is corrupt (checksum mismatch); recompile the artifact")
-
-
-def check_tokenizer_dir(manifest: Manifest) -> None:
-    """Tokenizer loaders read whatever files they find in their directory: every file there must be one the
-    manifest lists (and therefore checksums and confines), so nothing added later can change tokenization."""
-    if not manifest.tokenizer_dir.is_dir():
-        raise ArtifactError(f"the artifact's tokenizer directory '{manifest.data['tokenizer_dir']}' is missing")
-    root = manifest.directory.resolve()
-    for path in sorted(manifest.tokenizer_dir.rglob("*")):
-        relative = path.relative_to(root).as_posix()
-        if (path.is_file() or path.is_symlink()) and relative not in manifest.files:
-            raise ArtifactError(f"'{relative}' in the artifact's tokenizer directory is not part of the artifact (the "
-                                "manifest does not list it); remove it or recompile")
-
-
-def confine(directory: Path, relative: Any, field: str) -> Path:
-    """DIRECTORY/RELATIVE, refused unless RELATIVE is a relative path without `..` that resolves (symlinks
-    followed) inside DIRECTORY."""
-    if not isinstance(relative, str) or not relative or "\0" in relative or "\\" in relative:
-        raise ArtifactError(f"manifest field '{field}' names an invalid path {relative!r}")
-    posix = PurePosixPath(relative)
-    if posix.is_absolute() or PureWindowsPath(relative).drive or ".." in posix.parts:
-        raise ArtifactError(f"manifest field '{field}' names '{relative}', outside the artifact directory; only "
-                            "paths relative to the artifact, without '..', are allowed")
-    root = directory.resolve()
-    resolved = (root / posix).resolve()
-    if resolved != root and root not in resolved.parents:
-        raise ArtifactError(f"manifest field '{field}' names '{relative}', which resolves outside the artifact "
-                            f"directory (to '{resolved}')")
-    return resolved
 
 
 class _Fields:

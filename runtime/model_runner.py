@@ -6,8 +6,10 @@ decided elsewhere.
 Contiguous cache, one batch at a time: a prefill left-pads the rows' prompts (`attention_mask` 1 on real tokens,
 `position_ids = max(cumsum(mask) - 1, 0)`) and starts a new cache; each decode feeds every remaining row's last
 token after dropping the cache rows of requests that left (and any leading columns that are padding in every row
-still there). Paged cache: rows of equal length at their own positions, read through block tables, their new K/V
-written into the pool slots the scheduler assigned.
+still there). Paged cache: rows at their own positions, read through block tables, their new K/V written into
+the pool slots the scheduler assigned. Paged rows may differ in length (a speculative decode feeds each row its
+last token and its drafts): shorter rows are padded at the end — a padding token sees only its row, sits at the
+row's last real position, and its K/V is never written — and every fed position's logits come back.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from fxllm.runtime.scheduler import PREFILL, ScheduledBatch
 @dataclass
 class RunnerOutput:
     logits: np.ndarray  # [B, V]: each row's last fed position
-    prompt_logits: list[np.ndarray] | None = None  # per row [tokens fed, V], when the batch asked for them
+    all_logits: list[np.ndarray] | None = None  # per row [tokens fed, V]: prompt logits, or a speculative decode
 
 
 class ModelRunner:
@@ -92,9 +94,9 @@ class ModelRunner:
         cache = self.new_cache(len(rows))
         logits = self._run_contiguous(input_ids, positions, mask, cache, batch.prompt_logits)
         self._rows, self._cache, self._mask = list(batch.requests), cache, mask
-        prompt_logits = [logits[row, width - len(ids):] for row, ids in enumerate(rows)] if batch.prompt_logits \
+        all_logits = [logits[row, width - len(ids):] for row, ids in enumerate(rows)] if batch.prompt_logits \
             else None
-        return RunnerOutput(logits[:, -1], prompt_logits)
+        return RunnerOutput(logits[:, -1], all_logits)
 
     def _decode_contiguous(self, batch: ScheduledBatch) -> RunnerOutput:
         cache, mask = self._cache, self._mask
@@ -127,21 +129,30 @@ class ModelRunner:
     # -- paged ------------------------------------------------------------------------------------------------------
 
     def _execute_paged(self, batch: ScheduledBatch) -> RunnerOutput:
-        """Rows of equal length at their own positions; the pool takes their new K/V at batch.slots."""
+        """Rows at their own positions, padded at the end to the longest; the pool takes their new K/V at
+        batch.slots."""
         self.pool.copy_blocks(batch.copies)
-        width = len(batch.token_ids[0])
-        table = np.zeros((len(batch.block_tables), max(len(t) for t in batch.block_tables)), dtype=np.int64)
-        for row, blocks in enumerate(batch.block_tables):
+        lengths = [len(ids) for ids in batch.token_ids]
+        width, rows = max(lengths), len(lengths)
+        table = np.zeros((rows, max(len(t) for t in batch.block_tables)), dtype=np.int64)
+        input_ids = np.full((rows, width), self.pad_token_id, dtype=np.int64)
+        slots = np.full((rows, width), -1, dtype=np.int64)  # -1: padding, written nowhere
+        for row, (blocks, ids, row_slots) in enumerate(zip(batch.block_tables, batch.token_ids, batch.slots)):
             table[row, :len(blocks)] = blocks
+            input_ids[row, :len(ids)] = ids
+            slots[row, :len(ids)] = row_slots
         positions = np.asarray(batch.positions, dtype=np.int64)
-        feeds = {INPUT_IDS: np.asarray(batch.token_ids, dtype=np.int64),
-                 POSITION_IDS: positions[:, None] + np.arange(width, dtype=np.int64),
-                 BLOCK_TABLES: table, CONTEXT_LENS: positions,
-                 **self._logits_index(width, batch.prompt_logits), **self.pool.feeds()}
+        offsets = np.minimum(np.arange(width, dtype=np.int64), np.asarray(lengths, dtype=np.int64)[:, None] - 1)
+        all_positions = batch.prompt_logits or batch.drafts is not None or min(lengths) != width
+        feeds = {INPUT_IDS: input_ids, POSITION_IDS: positions[:, None] + offsets, BLOCK_TABLES: table,
+                 CONTEXT_LENS: positions, **self._logits_index(width, all_positions), **self.pool.feeds()}
         outputs = self.backend.run(feeds)
-        self.pool.write(outputs, np.asarray(batch.slots, dtype=np.int64))
+        self.pool.write(outputs, slots)
         logits = outputs[LOGITS]
-        return RunnerOutput(logits[:, -1], list(logits) if batch.prompt_logits else None)
+        if not all_positions:
+            return RunnerOutput(logits[:, -1])
+        per_row = [logits[row, :length] for row, length in enumerate(lengths)]
+        return RunnerOutput(np.stack([row[-1] for row in per_row]), per_row)
 
     def _logits_index(self, width: int, all_logits: bool) -> dict[str, np.ndarray]:
         """select-logits artifacts compute only the positions asked for: the last, or all."""

@@ -46,11 +46,16 @@ class PagedKVPool:
         return feeds
 
     def write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
-        """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset)."""
-        blocks, offsets = np.divmod(slots, self.block_size)
+        """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset); a slot of -1
+        (a padding position) is not written."""
+        valid = slots >= 0
+        every = bool(valid.all())
+        blocks, offsets = np.divmod(slots if every else slots[valid], self.block_size)
         for i, (keys, values) in enumerate(zip(self.keys, self.values)):
-            keys[blocks, offsets] = outputs[cache_output(PAGED, "key", i)].transpose(0, 2, 1, 3)
-            values[blocks, offsets] = outputs[cache_output(PAGED, "value", i)].transpose(0, 2, 1, 3)
+            new_keys = outputs[cache_output(PAGED, "key", i)].transpose(0, 2, 1, 3)
+            new_values = outputs[cache_output(PAGED, "value", i)].transpose(0, 2, 1, 3)
+            keys[blocks, offsets] = new_keys if every else new_keys[valid]
+            values[blocks, offsets] = new_values if every else new_values[valid]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate source blocks into their new private blocks."""

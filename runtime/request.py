@@ -127,6 +127,10 @@ class Request:
         self.detokenizer = IncrementalDetokenizer(tokenizer, list(params.stop))
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.prompt_logprobs_sent = False
+        # Speculative decoding on the paged cache: the draft's proposals for the next round (None: none yet) and,
+        # when sampling, the distributions they were drawn from ([n, V]).
+        self.spec_token_ids: list[int] | None = None
+        self.spec_probs = None
 
     @property
     def num_tokens(self) -> int:

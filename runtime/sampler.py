@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from fxllm.errors import GenerationError
 from fxllm.runtime.request import MIN_TEMPERATURE, SamplingParams
 
-__all__ = ["MIN_TEMPERATURE", "Sampler", "SamplingParams", "checked_logits", "probabilities", "sample_rows"]
+__all__ = ["MIN_TEMPERATURE", "SampledTokens", "Sampler", "SamplingParams", "checked_logits", "probabilities",
+           "sample_rows"]
+
+
+@dataclass
+class SampledTokens:
+    """What one model call produced for one request: tokens in order, the logits rows they were drawn from
+    ([n, V]), the prompt positions' logits when asked for, and how many of the tokens fed for it keep their KV in
+    the cache (None: all; a speculative round keeps its last sampled token and the accepted drafts)."""
+
+    token_ids: list[int]
+    logits: np.ndarray | None = None
+    prompt_logits: np.ndarray | None = None
+    cached: int | None = None
 
 
 def checked_logits(logits: np.ndarray) -> np.ndarray:

@@ -10,7 +10,10 @@ prefix-cached blocks (one call per chunk; a prompt longer than the budget is pre
 decode); the iteration ends with one decode call for every running request. When a decode finds no free block,
 the most recently admitted request is preempted: its blocks are freed and it returns to the front of the queue;
 on readmission its prompt and the tokens it already generated are recomputed (prefix-cache hits make that cheap),
-so its output is unchanged.
+so its output is unchanged. With speculation (`speculative=True`) each decode row feeds the request's last token
+and the draft tokens proposed for it (Request.spec_token_ids), with a slot reserved for each; when the pool is
+short a row drops its drafts before anyone is preempted; after the call only the tokens the verification kept
+are committed and the other reserved slots are released.
 
 StaticBatchScheduler — contiguous KV cache: when no batch runs, up to `max_batch` waiting requests form one
 left-padded batch, prefilled in one call and decoded in lock-step; finished rows leave it, and requests that
@@ -36,7 +39,8 @@ class ScheduledBatch:
     length; contiguous prefill: whole prompts, left-padded by the runner). `sample`: the last fed position of each
     row is sampled (false for a prefill chunk before the last); `prompt_logits`: every fed position's logits are
     wanted (prompt logprobs). Paged only: block tables, the pool slot of every fed token, and the copy-on-write
-    block copies to make before the call."""
+    block copies to make before the call. `drafts` (a speculative decode): each row's draft tokens, fed after its
+    last token (rows then differ in length); every fed position's logits come back."""
 
     kind: str  # PREFILL or DECODE
     requests: list[Request]
@@ -48,6 +52,7 @@ class ScheduledBatch:
     slots: list[list[int]] | None = None
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # left the running batch to make room for this call
+    drafts: list[list[int]] | None = None
 
 
 class _Queues:
@@ -84,11 +89,13 @@ class _Queues:
 
 
 class PagedScheduler(_Queues):
-    def __init__(self, manager: BlockManager, max_batch: int = 64, max_tokens_per_step: int = 512):
+    def __init__(self, manager: BlockManager, max_batch: int = 64, max_tokens_per_step: int = 512,
+                 speculative: bool = False):
         super().__init__(max_batch)
         if max_tokens_per_step < 1:
             raise GenerationError(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
         self.manager = manager
+        self.speculative = speculative
         self.max_tokens_per_step = max_tokens_per_step
         self.peak_blocks_used = 0
         self.peak_waste = 0.0
@@ -133,11 +140,16 @@ class PagedScheduler(_Queues):
                     return batch
         return None
 
-    def update(self, batch: ScheduledBatch) -> None:
-        """After a successful call: the fed tokens' KV is in the pool; a fully prefilled request joins the batch."""
-        for request, chunk in zip(batch.requests, batch.token_ids):
-            self.manager.commit_tokens(request.seq_id, chunk)
-            request.num_computed_tokens += len(chunk)
+    def update(self, batch: ScheduledBatch, cached: list[int | None] | None = None) -> None:
+        """After a successful call: the fed tokens' KV is in the pool (of row i only the first cached[i] when given:
+        a speculative round's rejected drafts, whose reserved slots go back); a fully prefilled request joins the
+        batch."""
+        for row, (request, chunk) in enumerate(zip(batch.requests, batch.token_ids)):
+            keep = chunk if cached is None or cached[row] is None else chunk[:cached[row]]
+            self.manager.commit_tokens(request.seq_id, keep)
+            request.num_computed_tokens += len(keep)
+            if len(keep) < len(chunk):
+                self.manager.release_slots(request.seq_id)
         if batch.kind == PREFILL and batch.sample:
             self._prefilling = None
             self.running.append(batch.requests[0])
@@ -172,30 +184,40 @@ class PagedScheduler(_Queues):
     def _decode(self) -> ScheduledBatch:
         copies: list[tuple[int, int]] = []
         preempted: list[Request] = []
+        drafts: dict[int, list[int]] = {}
         for request in list(self.running):
             if request not in self.running:
                 continue  # preempted while making room for an earlier one
+            row_drafts = list(request.spec_token_ids or []) if self.speculative else []
             while True:
                 try:
-                    copies += self.manager.append_slots(request.seq_id, 1)
+                    copies += self.manager.append_slots(request.seq_id, 1 + len(row_drafts))
+                    drafts[request.seq_id] = row_drafts
                     break
                 except OutOfBlocks:
+                    if row_drafts:  # speculation is optional: this row decodes plainly before anyone is preempted
+                        row_drafts = []
+                        continue
                     victim = self.running.pop()  # the most recently admitted
                     self._preempt(victim)
                     preempted.append(victim)
                     if victim is request:
                         break
         tokens, positions = self._decode_rows()
+        rows = [drafts[r.seq_id] for r in self.running] if self.speculative else None
+        if rows is not None:
+            tokens = [row + extra for row, extra in zip(tokens, rows)]
         batch = ScheduledBatch(DECODE, list(self.running), tokens, positions, copies=copies, preempted=preempted,
                                block_tables=[self.manager.block_table(r.seq_id) for r in self.running],
-                               slots=[self.manager.slot_mapping(r.seq_id, p, 1)
-                                      for r, p in zip(self.running, positions)])
+                               slots=[self.manager.slot_mapping(r.seq_id, p, len(row))
+                                      for r, p, row in zip(self.running, positions, tokens)], drafts=rows)
         self._record_usage()
         return batch
 
     def _preempt(self, request: Request) -> None:
         self.manager.free(request.seq_id)
         request.status, request.num_computed_tokens = RequestStatus.WAITING, 0
+        request.spec_token_ids = request.spec_probs = None  # proposed for a round that will not run
         request.metrics.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(request)
@@ -228,8 +250,10 @@ class StaticBatchScheduler(_Queues):
         return ScheduledBatch(PREFILL, batch, [r.prompt_token_ids for r in batch], [0] * len(batch),
                               prompt_logits=any(r.needs_prompt_logits for r in batch))
 
-    def update(self, batch: ScheduledBatch) -> None:
-        for request, chunk in zip(batch.requests, batch.token_ids):
-            request.num_computed_tokens += len(chunk)
+    def update(self, batch: ScheduledBatch, cached: list[int | None] | None = None) -> None:
+        """After a successful call (a contiguous cache keeps its own KV: `cached` only counts)."""
+        for row, (request, chunk) in enumerate(zip(batch.requests, batch.token_ids)):
+            kept = cached[row] if cached is not None and cached[row] is not None else len(chunk)
+            request.num_computed_tokens += kept
         if batch.kind == PREFILL:
             self.running.extend(batch.requests)

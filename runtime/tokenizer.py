@@ -4,8 +4,8 @@ token ids transformers gives. Chat templates render in runtime/chat_template.py.
 
 The compiler writes the tokenizer directory with transformers' `save_pretrained`, so `tokenizer.json` already holds the
 whole pipeline (normalizer, pre-tokenizer, model, post-processor with any BOS/EOS, added tokens). Only files of the
-directory are read, and the manifest's check (runtime/manifest.py `check_tokenizer_dir`) has already refused any file
-in it that the artifact does not list.
+directory are read, and the manifest's check (runtime/artifact_files.py `check_tokenizer_dir`) has already refused
+any file in it that the artifact does not list.
 """
 
 from __future__ import annotations

@@ -129,6 +129,38 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._write_and_commit(sid, data.draw(st.integers(0, len(exp.pending))))
 
     @precondition(lambda self: self.model)
+    @rule(data=st.data(), count=st.integers(1, 5))
+    def speculate(self, data, count: int) -> None:
+        """A speculative round: reserve slots for drafts, write the KV of every pending slot, commit only an
+        accepted prefix and release the rest. The rejected tokens' KV stays in released slots: if any of it were
+        committed or cached, a later sequence sharing the block would fail the pool check."""
+        STATS["steps"] += 1
+        bm = self.bm
+        sid = self._pick(data)
+        exp = self.model[sid]
+        try:
+            copies = bm.append_slots(sid, count)
+        except OutOfBlocks:
+            return
+        size = bm.block_size
+        for src, dst in copies:
+            for offset in range(size):
+                content = self.pool.get(src * size + offset)
+                self.pool[dst * size + offset] = content
+        exp.pending += data.draw(st.lists(TOKENS, min_size=count, max_size=count))
+        start = len(exp.tokens)
+        for k, slot in enumerate(bm.slot_mapping(sid, start, len(exp.pending))):
+            self.pool[slot] = tuple(exp.tokens + exp.pending[:k + 1])
+        accepted = data.draw(st.integers(0, len(exp.pending)))
+        bm.commit_tokens(sid, exp.pending[:accepted])
+        exp.tokens += exp.pending[:accepted]
+        exp.pending = []
+        used = bm.num_used_blocks
+        bm.release_slots(sid)
+        assert bm.num_reserved(sid) == len(exp.tokens) and bm.num_used_blocks <= used
+        STATS["rollbacks"] += accepted < count
+
+    @precondition(lambda self: self.model)
     @rule(data=st.data())
     def fork(self, data) -> None:
         STATS["steps"] += 1
@@ -200,7 +232,7 @@ def test_random_operations_keep_block_manager_consistent():
         max_examples=300, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
     print(f"\nblock manager state machine: {dict(STATS)}")
     assert STATS["steps"] >= 10_000
-    assert STATS["prefix_hits"] and STATS["copy_on_write"] and STATS["out_of_blocks"]
+    assert STATS["prefix_hits"] and STATS["copy_on_write"] and STATS["out_of_blocks"] and STATS["rollbacks"]
 
 
 # ---- focused unit tests
@@ -414,3 +446,20 @@ def test_sizes():
     assert bm.capacity_tokens == 24
     assert [bm.blocks_needed(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
     assert (bm.num_free_blocks, bm.num_used_blocks) == (6, 0)
+
+
+def test_rejected_draft_tokens_never_enter_the_prefix_cache():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate(0, [1, 2, 3])
+    bm.commit_tokens(0, [1, 2, 3])
+    bm.append_slots(0, 6)  # the last sampled token and 5 drafts: positions 3..8, three blocks
+    assert len(bm.block_table(0)) == 3
+    bm.commit_tokens(0, [4, 5])  # the sampled token and one accepted draft; the block [1, 2, 3, 4] is full
+    bm.release_slots(0)
+    assert bm.num_reserved(0) == 5 and len(bm.block_table(0)) == 2 and bm.num_used_blocks == 2
+    assert bm.num_cached_blocks == 1  # only the full block of committed tokens
+    # A prompt that continues with the rejected drafts finds only the committed block.
+    assert bm.allocate(1, [1, 2, 3, 4, 5, 9, 9, 9, 7]) == 4
+    bm.release_slots(0)  # nothing reserved past the committed tokens: a no-op
+    assert bm.num_reserved(0) == 5
+    bm.check_invariants()

@@ -272,7 +272,7 @@ def test_async_engine_keeps_serving_after_a_failing_call(paged_artifact, alone):
         after = await client(4)
         update = engine.core.scheduler.update
 
-        def broken_update(batch):  # a bug inside a step (not a model call): every unfinished request fails
+        def broken_update(batch, *_):  # a bug inside a step (not a model call): every unfinished request fails
             engine.core.scheduler.update = update
             raise AssertionError("scheduler bug")
 

@@ -1,0 +1,210 @@
+"""Speculative decoding on the paged cache, batched: 16 concurrent requests give plain paged decoding's greedy tokens
+with an ngram and a self-int4 draft, sharing prefix-cached blocks and under a KV budget that forces preemption;
+sampling through the batched path keeps the target's exact distribution (the chi-square test of
+test_speculative_sampling.py, run through a real paged artifact with a model draft); failures fail only their
+requests and free their blocks."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import fxllm
+from fxllm.errors import InvalidArgumentError
+from fxllm.runtime.request import SamplingParams
+from fxllm.runtime.speculative import BIASED_RULE, EXACT_RULE, processed_probs
+from tests.conftest import PROMPTS, TINY_PAGED_PASSES
+from tests.test_engine_core import FailingBackend, assert_pool_whole
+from tests.test_speculative_sampling import PROMPT, VOCAB, _chi_square_p, _tiny_llama
+
+MIXED = [(prompt + " ") * (1 + i % 3) + str(i) for i, prompt in enumerate(PROMPTS * 4)]  # 16 prompts, shared starts
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def self_int4_artifact(make_tiny_model, tmp_path_factory):
+    """The tiny llama compiled paged (blocks of 4 tokens) with a self-int4 draft, k=4."""
+    output = tmp_path_factory.mktemp("paged-self-int4") / "artifact"
+    fxllm.compile(make_tiny_model("llama"), output, passes=TINY_PAGED_PASSES, draft="self-int4", spec_k=4)
+    return output
+
+
+@pytest.fixture(scope="module")
+def speculative_engine(tiny_paged_artifact, self_int4_artifact):
+    """draft → a loader of its speculative engine (prompt lookup needs no compiled draft) with .artifact of each."""
+    artifacts = {"ngram": (tiny_paged_artifact, "ngram"), "self-int4": (self_int4_artifact, True)}
+
+    def load(draft: str, **options):
+        artifact, speculative = artifacts[draft]
+        return fxllm.load(artifact, speculative=speculative, **options)
+
+    load.artifact = {draft: artifact for draft, (artifact, _) in artifacts.items()}
+    return load
+
+
+@pytest.fixture(scope="module")
+def echo_prompts(tiny_paged_artifact):
+    """Each prompt, the model's own greedy continuation of it, the prompt again: the continuation partly repeats
+    what came before, so prompt lookup finds matches the target accepts (random weights rarely repeat otherwise)."""
+    engine = fxllm.load(tiny_paged_artifact)
+    ids = [engine.encode(prompt) for prompt in MIXED]
+    return [p + r.token_ids + p for p, r in zip(ids, engine.generate_ids(ids, max_new_tokens=NEW_TOKENS))]
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self-int4"])
+def test_sixteen_requests_give_plain_paged_greedy_tokens(draft, speculative_engine, echo_prompts):
+    plain = fxllm.load(speculative_engine.artifact[draft], speculative=False)
+    assert plain.speculator is None
+    expected = [r.token_ids for r in plain.generate_ids(echo_prompts, max_new_tokens=NEW_TOKENS)]
+    for kv_blocks in (None, 96):  # 96 blocks of 4 tokens hold two or three of the 16 requests at a time
+        engine = speculative_engine(draft, kv_blocks=kv_blocks)
+        results = engine.generate_ids(echo_prompts, max_new_tokens=NEW_TOKENS)
+        assert [r.token_ids for r in results] == expected, (draft, kv_blocks)
+        stats, spec = engine.stats(), engine.stats().speculative
+        assert spec.mode == draft and spec.proposed > 0 and spec.accepted > 0  # both verdicts were exercised
+        assert spec.accepted < spec.proposed
+        assert stats.prefix_cache_hits > 0  # the prompts share prefixes and repeat themselves
+        if kv_blocks is None:
+            assert stats.preemptions == 0 and stats.max_decode_batch == 16  # all verified in one call
+            assert stats.decode_steps < 16 * NEW_TOKENS / 2
+        else:
+            assert stats.preemptions > 0
+        assert_pool_whole(engine)
+
+
+def test_sampled_requests_are_seeded_and_alone_equal_batched(speculative_engine, echo_prompts):
+    """A sampled request's tokens depend on its seed, not on the batch it is verified in."""
+    engine = speculative_engine("self-int4")
+    params = dict(max_new_tokens=16, temperature=0.8, top_k=40, top_p=0.95, seed=11)
+    alone = [engine.generate_ids([ids], **params)[0].token_ids for ids in echo_prompts[:4]]
+    together = [r.token_ids for r in engine.generate_ids(echo_prompts[:4], **params)]
+    assert together == alone and all(len(t) == 16 for t in alone)
+    assert engine.stats().speculative.accepted > 0
+    assert_pool_whole(engine)
+
+
+def test_logprobs_and_stop_strings_through_the_batched_path(speculative_engine, echo_prompts, tiny_paged_artifact):
+    plain, engine = fxllm.load(tiny_paged_artifact), speculative_engine("self-int4")
+    params = SamplingParams(max_tokens=12, logprobs=2, prompt_logprobs=1)
+    outputs = [list(e.stream_outputs(echo_prompts[1], params)) for e in (plain, engine)]
+    (expected, got) = ([t for out in outs for t in out.logprobs] for outs in outputs)
+    assert [t.token_id for t in got] == [t.token_id for t in expected]
+    assert np.allclose([t.logprob for t in got], [t.logprob for t in expected], atol=1e-4)
+    assert len(outputs[1][0].prompt_logprobs) == len(echo_prompts[1])
+    text = plain.generate_ids([echo_prompts[2]], max_new_tokens=12)[0].text
+    stop = text[len(text) // 2:][:3]
+    assert stop.strip()
+    cut = [e.generate_ids([echo_prompts[2]], max_new_tokens=12, stop=stop)[0] for e in (plain, engine)]
+    assert cut[0].finish_reason == "stop" and len(cut[0].text) < len(text)
+    assert cut[1].text == cut[0].text and cut[1].token_ids == cut[0].token_ids
+    assert_pool_whole(engine)
+
+
+def test_a_failing_verify_or_draft_fails_only_its_requests(speculative_engine, echo_prompts):
+    engine = speculative_engine("self-int4")
+    target = engine.runner.backend = FailingBackend(engine.runner.backend)
+    draft = engine.speculator.drafter.runner.backend = FailingBackend(engine.speculator.drafter.runner.backend)
+    target.arm(rows=3)  # the first verify of three or more rows
+    failed = [out for out in _finished(engine.core, "r", echo_prompts[:4]) if out.finish_reason == "error"]
+    assert len(failed) >= 3 and all("injected backend failure" in out.error for out in failed)
+    assert_pool_whole(engine)
+    draft.arm(rows=1)  # the draft fails for the first request it proposes for; the other one runs to the end
+    outcome = [out.finish_reason for out in _finished(engine.core, "d", echo_prompts[:2])]
+    assert sorted(outcome) == ["error", "length"]
+    assert_pool_whole(engine)
+
+
+def _finished(core, prefix: str, prompts: list[list[int]]) -> list:
+    """Run the prompts (8 greedy tokens each) through the core to the end: their final outputs."""
+    for i, ids in enumerate(prompts):
+        core.add_request(f"{prefix}{i}", ids, SamplingParams(max_tokens=8))
+    finished = []
+    while core.has_unfinished():
+        finished += [out for out in core.step() if out.finished]
+    return finished
+
+
+def test_prompt_lookup_at_load_time_and_bad_values(tiny_paged_artifact, self_int4_artifact):
+    assert fxllm.load(tiny_paged_artifact).speculator is None  # compiled without a draft: plain unless asked
+    engine = fxllm.load(tiny_paged_artifact, speculative="ngram", spec_k=3)
+    assert (engine.speculator.mode, engine.speculator.k) == ("ngram", 3)
+    assert fxllm.load(self_int4_artifact, speculative="ngram").speculator.k == 4  # the artifact's k
+    for bad in ("eagle", 1, None):
+        with pytest.raises(InvalidArgumentError, match="speculative must be True"):
+            fxllm.load(tiny_paged_artifact, speculative=bad)
+
+
+# --- the sampling distribution through the batched path --------------------------------------------------------
+
+SAMPLES = 2000  # through the engine; the biased rule's p-value is ~1e-30 at this size, the exact rule's uniform
+
+
+@pytest.fixture(scope="module")
+def vocab12_artifact(tmp_path_factory):
+    """test_speculative_sampling.py's tiny Llamas (vocabulary 12; seed 0 the target, seed 1 a clearly different
+    draft) as a paged artifact with a model draft, k=2, and a word-level tokenizer of the 12 ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    sources = []
+    for seed in (0, 1):
+        directory = tmp_path_factory.mktemp(f"vocab12-seed{seed}")
+        _tiny_llama(seed).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        sources.append(directory)
+    output = tmp_path_factory.mktemp("vocab12-paged") / "artifact"
+    fxllm.compile(sources[0], output, passes=TINY_PAGED_PASSES, draft=str(sources[1]), spec_k=2)
+    return output
+
+
+def _exact_pair_distribution() -> np.ndarray:
+    """P(t1, t2): the target's joint of the second and third generated tokens, the first summed out [V, V]."""
+    target = _tiny_llama(0)
+    with torch.no_grad():
+        prefixes = torch.tensor([PROMPT + list(p) for p in itertools.product(range(VOCAB), repeat=2)])
+        logits = target(prefixes).logits.double().numpy()
+    n = len(PROMPT)
+    p0 = processed_probs(logits[:1, n - 1], 1.0)[0]  # [t0]
+    p1 = processed_probs(logits[::VOCAB, n], 1.0)  # [t0, t1]
+    p2 = processed_probs(logits[:, n + 1], 1.0).reshape(VOCAB, VOCAB, VOCAB)  # [t0, t1, t2]
+    return np.einsum("a,ab,abc->bc", p0, p1, p2)
+
+
+def _sampled_pairs(engine, rule: str) -> tuple[np.ndarray, object]:
+    """SAMPLES requests with their own seeds, all in the core at once: (t1, t2) counts and the run's counters."""
+    engine.speculator.rule = rule
+    core, before = engine.core, engine.stats()
+    for i in range(SAMPLES):
+        core.add_request(f"{rule}-{i}", PROMPT, SamplingParams(temperature=1.0, seed=i, max_tokens=4, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    counts = np.zeros((VOCAB, VOCAB), dtype=np.int64)
+    for ids in tokens.values():
+        counts[ids[1], ids[2]] += 1
+    return counts, engine.stats().since(before)
+
+
+def test_sampling_through_the_batched_path_keeps_the_target_distribution(vocab12_artifact):
+    exact = _exact_pair_distribution()
+    engine = fxllm.load(vocab12_artifact, max_batch=256)
+    counts, stats = _sampled_pairs(engine, EXACT_RULE)
+    p_value, spec = _chi_square_p(counts, exact), stats.speculative
+    print(f"\nexact rule through the engine: {SAMPLES} requests, chi-square p = {p_value:.4g}, acceptance "
+          f"{spec.acceptance_rate:.3f}, largest verify batch {stats.max_decode_batch}")
+    assert counts.sum() == SAMPLES and stats.max_decode_batch >= 64  # verified many rows per call
+    assert 0.1 < spec.acceptance_rate < 0.9  # both the accept and the residual-resample paths, many times
+    assert p_value > 1e-3
+    counts, _ = _sampled_pairs(engine, BIASED_RULE)  # the same test catches the common bug through this path
+    p_biased = _chi_square_p(counts, exact)
+    print(f"biased rule through the engine: chi-square p = {p_biased:.4g}")
+    assert p_biased < 1e-6
+    assert_pool_whole(engine)
