@@ -152,6 +152,11 @@ class _Fields:
         return resolved
 
 
+def _type_name(hint: Any) -> str:
+    """A type hint as a reader writes it: int, str | None, list[int] (not <class 'int'>)."""
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
 def _spec(data: dict[str, Any], fields_: _Fields) -> ModelSpec:
     hints = get_type_hints(ModelSpec)
     known = {f.name for f in fields(ModelSpec)}
@@ -160,7 +165,8 @@ def _spec(data: dict[str, Any], fields_: _Fields) -> ModelSpec:
         fields_.fail(f"spec.{unknown[0]}", "is not a model-spec field")
     for name in known & set(data):
         if not _matches(data[name], hints[name]):
-            fields_.fail(f"spec.{name}", f"has the wrong type ({type(data[name]).__name__}, expected {hints[name]})")
+            fields_.fail(f"spec.{name}", f"has the wrong type ({type(data[name]).__name__}, expected "
+                                             f"{_type_name(hints[name])})")
     try:
         spec = ModelSpec.from_dict(data)
     except TypeError as exc:  # a required field is missing

@@ -75,7 +75,7 @@ def test_files_added_to_the_tokenizer_directory_are_refused(artifact, outside):
 
 
 @pytest.mark.parametrize("path, value, message", [
-    (("spec", "num_kv_heads"), "2", r"'spec.num_kv_heads' has the wrong type \(str"),
+    (("spec", "num_kv_heads"), "2", r"'spec.num_kv_heads' has the wrong type \(str, expected int\)"),
     (("spec",), None, "'spec' must be a JSON object, not NoneType"),
     (("io",), "x", "'io' must be a JSON object, not str"),
     (("io", "inputs"), [{"name": "input_ids"}], "'io.inputs' holds .* not a {name, dims, dtype} tensor signature"),
