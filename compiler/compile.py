@@ -52,6 +52,7 @@ def compile_model(
     requantize: bool = False,
     int8_activations: bool = False,
     dtype: str = "float32",
+    ort_steps: tuple[str, ...] | list[str] | None = None,
 ) -> CompileReport:
     """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work, and so is
     OUTPUT: it is replaced only when it is an fxllm artifact holding nothing else (runtime/artifact.py check_output),
@@ -64,7 +65,9 @@ def compile_model(
     own quantized blocks exactly under the default pipeline unless `requantize`. `int8_activations` makes a
     quantized artifact recommend int8 matmul activations at run time (faster, less exact); the default is float
     activations, the math the drift report measured. `dtype` (float32, float16, bfloat16; targets torch and
-    tensorrt) runs the finished graph in half precision (the `dtype` pass, appended last)."""
+    tensorrt) runs the finished graph in half precision (the `dtype` pass, appended last). `ort_steps` (target ort)
+    names the ONNX Runtime legalization steps to run (compiler/targets/ort; default all, () none: the standard
+    form)."""
     from fxllm import __version__
     from fxllm.compiler.capture import capture
 
@@ -79,6 +82,8 @@ def compile_model(
     if "kv-cache" not in provided:
         raise PipelineError("the pipeline must include 'kv-cache': the runtime decodes through a KV cache")
     check_dtype(steps, target, gguf=bool(source.gguf_file))
+    if ort_steps is not None:
+        _check_ort_steps(ort_steps, target)
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
     if draft_spec is not None and "paged" in provided:
         raise PipelineError("--draft needs the contiguous KV cache: speculative decoding does not run on `paged` yet")
@@ -114,6 +119,7 @@ def compile_model(
             str(dump_dir) if dump_dir else None,
         )
         model_file = TORCH_MODEL_FILE if target == "torch" else MODEL_FILE
+        signature, legalized = (program.inputs, program.outputs), None
         if target == "torch":
             from fxllm.compiler.targets.torch_export import lower_to_torch
 
@@ -122,8 +128,10 @@ def compile_model(
         else:
             from fxllm.compiler.targets.onnx_export import lower_to_onnx
 
-            timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program, stage / model_file,
-                  target, report.lowering_steps)
+            lowered = timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program,
+                            stage / model_file, target, report.lowering_steps,
+                            tuple(ort_steps) if ort_steps is not None else None)
+            signature, legalized = (lowered.inputs, lowered.outputs), lowered.legalized
         if target == "tensorrt":
             _audit_for_tensorrt(stage / model_file)
         tokenizer.save_pretrained(stage / TOKENIZER_DIR)
@@ -144,9 +152,10 @@ def compile_model(
                 for r in report.records
             ],
             "io": {
-                "inputs": [sig.to_dict() for sig in program.inputs],
-                "outputs": [sig.to_dict() for sig in program.outputs],
+                "inputs": [sig.to_dict() for sig in signature[0]],
+                "outputs": [sig.to_dict() for sig in signature[1]],
             },
+            "lowering": {"ort_legalized": legalized} if legalized is not None else {},
             "compile_seconds": {k: round(v, 2) for k, v in report.seconds.items()}
             | {f"lower/{k}": round(v, 2) for k, v in report.lowering_steps.items()},
             # Float activations by default: int8 ones (MatMulNBits accuracy level 4) are faster on ONNX Runtime CPU but
@@ -157,6 +166,17 @@ def compile_model(
     if target == "tensorrt":
         _try_engine_build(report)
     return report
+
+
+def _check_ort_steps(ort_steps, target: str) -> None:
+    from fxllm.compiler.targets.ort import STEP_NAMES
+
+    if target != "ort":
+        raise PipelineError(f"ort_steps applies to target 'ort' only (not '{target}')")
+    unknown = sorted(set(ort_steps) - set(STEP_NAMES))
+    if unknown:
+        raise PipelineError(f"unknown ort legalization step(s) {', '.join(unknown)} (available: "
+                            f"{', '.join(STEP_NAMES)})")
 
 
 def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> None:

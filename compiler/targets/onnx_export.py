@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -15,11 +16,13 @@ import torch
 
 from fxllm.compiler.interface import make_input, sample_dims
 from fxllm.compiler.targets.onnx_translations import TRANSLATIONS
+from fxllm.compiler.targets.ort import LegalizationContext
+from fxllm.compiler.targets.ort import legalize as ort_legalize
 from fxllm.compiler.program import Program
 from fxllm.compiler.quant.numerics import HALF_SUFFIX
 from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
 from fxllm.errors import UnsupportedModelError
-from fxllm.runtime.contract import CONTRACT_METADATA_KEY, contract_digest
+from fxllm.runtime.contract import CONTRACT_METADATA_KEY, TensorSig, contract_digest
 
 OPSET = 23
 TARGETS = ("ort", "tensorrt")
@@ -36,11 +39,23 @@ def export_program(program: Program) -> torch.export.ExportedProgram:
         return torch.export.export(program.graph_module, args, dynamic_shapes=dynamic, strict=False)
 
 
+@dataclass
+class Lowered:
+    """The written model (proto without weights, checked) and its calling convention, which the `ort` target's
+    legalization may change from the program's (a shared KV buffer): the manifest records this one."""
+
+    model: onnx.ModelProto
+    inputs: list[TensorSig]
+    outputs: list[TensorSig]
+    legalized: dict[str, int] = field(default_factory=dict)  # ort: sites rewritten per legalization step
+
+
 def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort",
-                  seconds: dict[str, float] | None = None) -> onnx.ModelProto:
-    """Write `path` (+ `path`.data with the weights) and return the model proto without weights, checked.
-    The exporter's model is finished in memory (dimension names, node origins, packed INT4, float16 GGUF scales)
-    and written once. `seconds` (optional) receives the time of each lowering step."""
+                  seconds: dict[str, float] | None = None, ort_steps: tuple[str, ...] | None = None) -> Lowered:
+    """Write `path` (+ `path`.data with the weights) and return the checked model and its signature.
+    The exporter's model is finished in memory (dimension names, node origins, the `ort` target's legalization
+    steps — all of them, or only those named in `ort_steps` — packed INT4, float16 GGUF scales) and written once.
+    `seconds` (optional) receives the time of each lowering step."""
     if target not in TARGETS:
         raise UnsupportedModelError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     timer = _Timer(seconds)
@@ -64,13 +79,20 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
         model = onnx_program.model
         name_dimensions(model, program)
         record_origins(model, exported.graph)
+    context = LegalizationContext(program.spec, list(program.inputs), list(program.outputs))
+    if target == "ort":
+        ort_legalize(model, context, timer.seconds, only=ort_steps)
+    with timer("finish"):
         pack_int4_weights(model)
         if target == "ort":
             store_half_scales(model)
+        model.metadata_props[CONTRACT_METADATA_KEY] = contract_digest(program.spec.to_dict(), context.inputs,
+                                                                      context.outputs)
     with timer("save"):
         onnx_program.save(str(path), external_data=True)
     with timer("check"):
-        return check_onnx(path)
+        checked = check_onnx(path)
+    return Lowered(checked, context.inputs, context.outputs, context.rewritten)
 
 
 @contextlib.contextmanager
@@ -130,10 +152,7 @@ def _values(graph: ir.Graph):
 def name_dimensions(model: ir.Model, program: Program) -> None:
     """Replace export's symbols (s0, s70, 's1 + s70'...) by the signature's names (batch, tokens, past, total) on
     the graph's inputs, outputs and every intermediate that uses the same symbols, so ONNX users (and TensorRT
-    optimization profiles) see meaningful dynamic dimensions. Also records the contract digest the runtime checks
-    the manifest against."""
-    model.metadata_props[CONTRACT_METADATA_KEY] = contract_digest(program.spec.to_dict(), program.inputs,
-                                                                  program.outputs)
+    optimization profiles) see meaningful dynamic dimensions."""
     graph = model.graph
     renames: dict[str, str] = {}
     for value, sig in list(zip(graph.inputs, program.inputs)) + list(zip(graph.outputs, program.outputs)):
