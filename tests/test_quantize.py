@@ -233,6 +233,22 @@ def test_calibrated_methods_compile_with_per_layer_errors(method, lm_head, embed
     assert len(result.token_ids) == 6
 
 
+@pytest.mark.parametrize("method", ["int4-gptq", "int4-awq"])
+def test_calibrated_methods_default_to_asymmetric_group_64(method, make_tiny_model, calibration_file, tmp_path):
+    """Without group_size / zero_point the calibrated methods use METHOD_DEFAULTS (asymmetric, group 64): the
+    lowered blocks are 64 wide and carry zero points (the ort form: UINT4 zero points on the DequantizeLinear)."""
+    from fxllm.passes.quantize import METHOD_DEFAULTS
+
+    assert METHOD_DEFAULTS[method] == (64, True)
+    artifact, report = _compile(make_tiny_model("llama"), tmp_path, method,
+                                f"method={method};calib={calibration_file};samples=2;seq_len=64")
+    model = onnx.load(str(artifact / "model.onnx"), load_external_data=False)
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert dq and all(len(n.input) == 3 for n in dq)
+    assert {a.i for n in dq for a in n.attribute if a.name == "block_size"} == {64}
+    assert "group size 64, asymmetric" in " ".join(json.loads((artifact / "manifest.json").read_text())["spec"]["notes"])
+
+
 def test_quantize_bad_options(make_tiny_model, tmp_path):
     """Each is refused before the graph is touched, so one captured program serves every case."""
     source = resolve_source(make_tiny_model("llama"))
@@ -246,6 +262,7 @@ def test_quantize_bad_options(make_tiny_model, tmp_path):
                           ("method=int4-rtn;group_size=24", "power of two"),
                           ("method=int4-rtn;group_size=24;zero_point=true", "power of two"),
                           ("method=int4-rtn;lm_head=int2", "lm_head must be one of"),
+                          ("method=int8;zero_point=true", "zero_point applies to the int4 methods"),
                           (f"method=int4-gptq;calib={empty}", "is empty"),
                           (f"method=int4-awq;calib={short}", "has 8 tokens; 16 samples of 512 tokens need 8192"),
                           (f"method=int4-gptq;calib={tmp_path / 'missing.txt'}", "cannot read the calibration text")]:

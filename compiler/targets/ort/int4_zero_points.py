@@ -7,7 +7,8 @@ The standard form carries the zero point as an exact offset term (Reshape → Re
 projection) because TensorRT's INT4 dequantize takes none. ONNX Runtime does take one: it fuses the DQ → MatMul
 with its zero point into one MatMulNBits (at the accuracy level the runtime chooses), so the four to six offset
 nodes of every projection disappear. Applies where every block's offset is s·(8 − z) for an integer z in [0, 15]
-(int4-rtn/gptq/awq with zero_point=true); a GGUF Q4_1 block's offset (its min) is not, and keeps the offset term.
+(int4-rtn/gptq/awq with zero_point=true, to float rounding); a GGUF Q4_1 block's offset (its min) is not, and
+keeps the offset term.
 Same math, rounded once instead of twice: (u − z)·s against c·s + o.
 """
 
@@ -79,13 +80,15 @@ def _match(add: ir.Node):
 
 
 def _integer_zero_points(scales: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
-    """z with offsets == scales·(8 − z) exactly (float32, as the quantize pass computed them), or None."""
+    """Integer z in [0, 15] with offsets = scales·(8 − z) to within a millionth of a quantization step (the
+    quantize pass computes them so; folded or fused scales can round the product differently by an ulp), else
+    None: a GGUF Q4_1 block's min is no such multiple."""
     scales, offsets = scales.astype(np.float32), offsets.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         zeros = np.rint(np.float32(8) - offsets / scales)
     if not np.all(np.isfinite(zeros)) or zeros.min() < 0 or zeros.max() > 15:
         return None
-    if not np.array_equal(scales * (np.float32(8) - zeros.astype(np.float32)), offsets):
+    if np.any(np.abs(scales * (np.float32(8) - zeros) - offsets) > 1e-6 * np.abs(scales)):
         return None
     return zeros.astype(np.uint8)
 
