@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,7 +134,7 @@ def compile_model(
                             tuple(ort_steps) if ort_steps is not None else None)
             signature, legalized = (lowered.inputs, lowered.outputs), lowered.legalized
         if target == "tensorrt":
-            _audit_for_tensorrt(stage / model_file)
+            report.notes += _audit_for_tensorrt(stage / model_file)
         tokenizer.save_pretrained(stage / TOKENIZER_DIR)
         speculative = None
         if draft_spec is not None:
@@ -213,12 +214,21 @@ def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, repo
     return entry
 
 
-def _audit_for_tensorrt(model_path: Path) -> None:
-    from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
+def _audit_for_tensorrt(model_path: Path) -> list[str]:
+    """Fail on any audit finding; → warnings (also printed) for the forms the audit passes but TensorRT was never
+    seen to run."""
+    import onnx
+
+    from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings, unverified_forms
 
     findings = audit_file(model_path)
     if findings:
         raise UnsupportedModelError(format_findings(findings).replace("\n", "; "))
+    warnings = [f"unverified for TensorRT: {note}" for note in
+                unverified_forms(onnx.load(str(model_path), load_external_data=False))]
+    for warning in warnings:
+        print(f"fxllm: warning: {warning}", file=sys.stderr)
+    return warnings
 
 
 def _try_engine_build(report: CompileReport) -> None:
