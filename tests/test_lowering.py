@@ -26,6 +26,7 @@ def test_onnx_is_valid_standard_and_native(make_tiny_model, tmp_path):
     ops = Counter(node.op_type for node in model.graph.node)
     assert ops["Attention"] == 2  # one per layer, fed by the cache concatenation
     assert ops["RMSNormalization"] == 5 and ops["RotaryEmbedding"] == 4
+    assert ops["Cos"] == ops["Sin"] == 1, "one rotary table shared by every layer"
     assert not {"Expand", "Tile"} & set(ops), "K/V must not be repeated to the query heads"
     attention = [n for n in model.graph.node if n.op_type == "Attention"]
     outputs = {name: node for node in model.graph.node for name in node.output}

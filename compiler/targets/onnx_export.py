@@ -79,6 +79,7 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
         model = onnx_program.model
         name_dimensions(model, program)
         record_origins(model, exported.graph)
+        share_rotary_tables(model)
     context = LegalizationContext(program.spec, list(program.inputs), list(program.outputs))
     if target == "ort":
         ort_legalize(model, context, timer.seconds, only=ort_steps)
@@ -179,6 +180,29 @@ def record_origins(model: ir.Model, graph: torch.fx.Graph) -> None:
         fx_node = node.metadata_props.get("pkg.torch.onnx.fx_node", "")
         name = fx_node.split(" ", 1)[0].lstrip("%") or (node.name or "").removeprefix("node_")
         node.metadata_props[ORIGIN_KEY] = origins.get(name) or "lowering"
+
+
+def share_rotary_tables(model: ir.Model) -> int:
+    """The exporter recomputes the rotary cos/sin in every layer from the same angles (60 `Cos` + 60 `Sin` for
+    SmolLM2); keep one `Cos` and one `Sin` per distinct input and feed every RotaryEmbedding from them (exact: the
+    same op on the same value). ONNX Runtime's own CSE does this at session creation; TensorRT's parser and anyone
+    reading the file see the shared form. → the number of nodes removed."""
+    graph = model.graph
+    first: dict[tuple[str, int], ir.Node] = {}
+    removed = 0
+    for node in list(graph):
+        if node.op_type not in ("Cos", "Sin") or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
+            continue
+        key = (node.op_type, id(node.inputs[0]))
+        if key not in first:
+            first[key] = node
+            continue
+        if node.outputs[0].is_graph_output():
+            continue
+        node.outputs[0].replace_all_uses_with(first[key].outputs[0])
+        graph.remove(node, safe=True)
+        removed += 1
+    return removed
 
 
 INT4_SUFFIX = "_int4_codes"
