@@ -40,6 +40,8 @@ def profiled_engine(artifact: Path, threads: int, directory: str, int8_activatio
     options.enable_profiling = True
     options.profile_file_prefix = os.path.join(directory, artifact.name)
     backend.session = ort.InferenceSession(str(engine.manifest.model_file), options, providers=old.get_providers())
+    if backend.aliases:  # shared KV buffers: bind them on the new session
+        backend._binding, backend._bound, backend._binding_order = backend.session.io_binding(), {}, []
     return engine
 
 
