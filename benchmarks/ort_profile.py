@@ -7,7 +7,7 @@ so fused nodes such as MatMulNBits show up under their own names): microseconds 
 nodes per step. The node count matters on CPU: every node costs a few microseconds of dispatch on top of its math.
 
     .venv/bin/python benchmarks/ort_profile.py ARTIFACT [ARTIFACT...] --context 1024 --new-tokens 16
-    .venv/bin/python benchmarks/ort_profile.py ARTIFACT --top 25 --json profile.json
+    .venv/bin/python benchmarks/ort_profile.py A B --rounds 3 --top 25 --json profile.json   # A B A B A B
 
 The profiler adds its own overhead per node, so absolute step times here are above benchmarks/decode.py's;
 compare shares and per-op times between artifacts of one run.
@@ -32,7 +32,8 @@ def profiled_engine(artifact: Path, threads: int, directory: str, int8_activatio
     """An engine whose ONNX Runtime session writes a profile (the runtime's session options, plus profiling)."""
     import onnxruntime as ort
 
-    engine = fxllm.load(artifact, threads=threads, int8_activations=int8_activations)
+    # one prefill call for any prompt (a paged engine would otherwise prefill in chunks, counted as steps here)
+    engine = fxllm.load(artifact, threads=threads, int8_activations=int8_activations, max_tokens_per_step=1 << 16)
     engine.eos_token_ids = set()
     backend = engine.backend
     old = backend.session
@@ -78,6 +79,7 @@ def op_table(events: list[dict[str, Any]], skip_runs: int) -> tuple[dict[str, tu
 
 
 def profile(artifact: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One profiled generation of `artifact` (a fresh engine)."""
     with tempfile.TemporaryDirectory() as directory:
         engine = profiled_engine(artifact, args.threads, directory, args.int8_activations)
         ids = prompt_ids(engine.tokenizer, args.prompt, args.context)
@@ -90,11 +92,23 @@ def profile(artifact: Path, args: argparse.Namespace) -> dict[str, Any]:
             "ops": {op: {"us_per_step": us, "nodes_per_step": n} for op, (us, n) in table.items()}}
 
 
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One artifact's rounds → per op its smallest µs/step (and the smallest step time)."""
+    merged = dict(results[0])
+    ops = {op for result in results for op in result["ops"]}
+    merged["ops"] = {op: min((r["ops"][op] for r in results if op in r["ops"]), key=lambda v: v["us_per_step"])
+                     for op in ops}
+    merged["step_us"] = min(r["step_us"] for r in results)
+    merged["rounds"] = len(results)
+    return merged
+
+
 def print_profile(result: dict[str, Any], top: int) -> None:
     ops = sorted(result["ops"].items(), key=lambda item: -item[1]["us_per_step"])
     kernel = sum(v["us_per_step"] for _, v in ops)
     nodes = sum(v["nodes_per_step"] for _, v in ops)
     print(f"\n{result['artifact']}: prompt {result['prompt_tokens']} tokens, {result['steps']} decode steps, "
+          f"fastest of {result.get('rounds', 1)} round(s), "
           f"{result['step_us'] / 1e3:.2f} ms per step (profiled), kernels {kernel / 1e3:.2f} ms, {nodes:.0f} nodes")
     print("| op | µs/step | share | nodes/step |")
     print("|---|---:|---:|---:|")
@@ -113,9 +127,13 @@ def main() -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--int8-activations", action="store_true", default=None)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="profile the artifacts in turn this many times (A B, A B, ...) and keep each op's "
+                             "fastest round: a busy machine's slow spells inflate single runs")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    results = [profile(artifact, args) for artifact in args.artifacts]
+    rounds = [[profile(artifact, args) for artifact in args.artifacts] for _ in range(args.rounds)]
+    results = [merge(list(per_artifact)) for per_artifact in zip(*rounds)]
     for result in results:
         print_profile(result, args.top)
     if args.json:
