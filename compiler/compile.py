@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
+from fxllm.compiler.gguf_cache import shared_gguf_readers
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
 from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tokenizer, check_same_vocab,
                                   parse_draft, truncate_layers)
@@ -37,6 +40,17 @@ class CompileReport:
         return sum(self.seconds.values())
 
 
+def _sharing_gguf_readers(function):
+    """Run a compile with one parse of each GGUF file it reads (compiler/gguf_cache.py)."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        with shared_gguf_readers():
+            return function(*args, **kwargs)
+
+    return run
+
+
+@_sharing_gguf_readers
 def compile_model(
     model: str | os.PathLike,
     output: str | os.PathLike,
@@ -52,6 +66,7 @@ def compile_model(
     requantize: bool = False,
     int8_activations: bool = False,
     dtype: str = "float32",
+    ort_steps: tuple[str, ...] | list[str] | None = None,
 ) -> CompileReport:
     """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work, and so is
     OUTPUT: it is replaced only when it is an fxllm artifact holding nothing else (runtime/artifact.py check_output),
@@ -64,7 +79,9 @@ def compile_model(
     own quantized blocks exactly under the default pipeline unless `requantize`. `int8_activations` makes a
     quantized artifact recommend int8 matmul activations at run time (faster, less exact); the default is float
     activations, the math the drift report measured. `dtype` (float32, float16, bfloat16; targets torch and
-    tensorrt) runs the finished graph in half precision (the `dtype` pass, appended last)."""
+    tensorrt) runs the finished graph in half precision (the `dtype` pass, appended last). `ort_steps` (target ort)
+    names the ONNX Runtime legalization steps to run (compiler/targets/ort; default all, () none: the standard
+    form)."""
     from fxllm import __version__
     from fxllm.compiler.capture import capture
 
@@ -79,6 +96,8 @@ def compile_model(
     if "kv-cache" not in provided:
         raise PipelineError("the pipeline must include 'kv-cache': the runtime decodes through a KV cache")
     check_dtype(steps, target, gguf=bool(source.gguf_file))
+    if ort_steps is not None:
+        _check_ort_steps(ort_steps, target)
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
     if draft_source is not None:
@@ -112,6 +131,7 @@ def compile_model(
             str(dump_dir) if dump_dir else None,
         )
         model_file = TORCH_MODEL_FILE if target == "torch" else MODEL_FILE
+        signature, legalized = (program.inputs, program.outputs), None
         if target == "torch":
             from fxllm.compiler.targets.torch_export import lower_to_torch
 
@@ -120,10 +140,12 @@ def compile_model(
         else:
             from fxllm.compiler.targets.onnx_export import lower_to_onnx
 
-            timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program, stage / model_file,
-                  target, report.lowering_steps)
+            lowered = timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program,
+                            stage / model_file, target, report.lowering_steps,
+                            tuple(ort_steps) if ort_steps is not None else None)
+            signature, legalized = (lowered.inputs, lowered.outputs), lowered.legalized
         if target == "tensorrt":
-            _audit_for_tensorrt(stage / model_file)
+            report.notes += _audit_for_tensorrt(stage / model_file)
         tokenizer.save_pretrained(stage / TOKENIZER_DIR)
         speculative = None
         if draft_spec is not None:
@@ -142,9 +164,10 @@ def compile_model(
                 for r in report.records
             ],
             "io": {
-                "inputs": [sig.to_dict() for sig in program.inputs],
-                "outputs": [sig.to_dict() for sig in program.outputs],
+                "inputs": [sig.to_dict() for sig in signature[0]],
+                "outputs": [sig.to_dict() for sig in signature[1]],
             },
+            "lowering": {"ort_legalized": legalized} if legalized is not None else {},
             "compile_seconds": {k: round(v, 2) for k, v in report.seconds.items()}
             | {f"lower/{k}": round(v, 2) for k, v in report.lowering_steps.items()},
             # Float activations by default: int8 ones (MatMulNBits accuracy level 4) are faster on ONNX Runtime CPU but
@@ -155,6 +178,17 @@ def compile_model(
     if target == "tensorrt":
         _try_engine_build(report)
     return report
+
+
+def _check_ort_steps(ort_steps, target: str) -> None:
+    from fxllm.compiler.targets.ort import STEP_NAMES
+
+    if target != "ort":
+        raise PipelineError(f"ort_steps applies to target 'ort' only (not '{target}')")
+    unknown = sorted(set(ort_steps) - set(STEP_NAMES))
+    if unknown:
+        raise PipelineError(f"unknown ort legalization step(s) {', '.join(unknown)} (available: "
+                            f"{', '.join(STEP_NAMES)})")
 
 
 def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> None:
@@ -191,12 +225,21 @@ def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, repo
     return entry
 
 
-def _audit_for_tensorrt(model_path: Path) -> None:
-    from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
+def _audit_for_tensorrt(model_path: Path) -> list[str]:
+    """Fail on any audit finding; → warnings (also printed) for the forms the audit passes but TensorRT was never
+    seen to run."""
+    import onnx
+
+    from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings, unverified_forms
 
     findings = audit_file(model_path)
     if findings:
         raise UnsupportedModelError(format_findings(findings).replace("\n", "; "))
+    warnings = [f"unverified for TensorRT: {note}" for note in
+                unverified_forms(onnx.load(str(model_path), load_external_data=False))]
+    for warning in warnings:
+        print(f"fxllm: warning: {warning}", file=sys.stderr)
+    return warnings
 
 
 def _try_engine_build(report: CompileReport) -> None:

@@ -64,6 +64,9 @@ def place_quantization(passes: str | list[str] | None, pass_options: dict[str, d
         raise PipelineError(f"quantization option '{next(iter(quant_options))}' needs a method (--quant METHOD)")
     if quant_options.get("calib") and quant not in ("int4-gptq", "int4-awq"):
         raise PipelineError("--calib applies to the calibrated methods int4-gptq and int4-awq")
+    if quant_options.get("zero_point") in (True, "true", "1", "yes", "on") and quant == "int8":
+        raise PipelineError("zero_point applies to the int4 methods (int4-rtn, int4-gptq, int4-awq); int8 is symmetric "
+                            "per output channel")
     if requantize and not gguf:
         raise PipelineError("--requantize applies to GGUF sources only (their quantized blocks are kept otherwise)")
     if quant and gguf and not requantize:

@@ -37,13 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("compile", help="compile a model into an artifact directory")
     p.add_argument("model", help="Hugging Face model directory, .gguf file, or 'smollm2-135m'")
     p.add_argument("-o", "--output", required=True, help="artifact directory to write")
-    p.add_argument("--passes", help="comma-separated pass list (default: cleanup,gqa,fuse-projections,kv-cache); see `fxllm passes`")
+    p.add_argument("--passes", help="comma-separated pass list (default: cleanup,gqa,fuse-projections,select-logits,"
+                                    "kv-cache; --quant adds quantize before kv-cache); see `fxllm passes`")
     p.add_argument("--pass-option", action="append", default=[], metavar="PASS.KEY=VALUE",
                    help="set an option of a pass in the pipeline (repeatable); `fxllm passes` lists them")
     p.add_argument("--kv-heads", type=int, help="regroup attention to N KV heads (option kv_heads of the gqa pass)")
     p.add_argument("--quant", help="weight-only quantization: int8 | int4-rtn | int4-gptq | int4-awq (adds the quantize "
                                    "pass before kv-cache when --passes is not given)")
-    p.add_argument("--group-size", type=int, help="int4 block size along the input dim (default 128)")
+    p.add_argument("--group-size", type=int, help="int4 block size along the input dim (default 64 for int4-gptq and "
+                                                  "int4-awq, which are asymmetric by default; 128 for int4-rtn)")
     p.add_argument("--requantize", action="store_true",
                    help="GGUF sources: load the weights as float (re-quantized by --quant if given) instead of "
                         "keeping the GGUF's own quantized blocks exactly (the default)")

@@ -75,6 +75,9 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
     group_size / zero_point default per method (METHOD_DEFAULTS)."""
     default_group, default_zero_point = METHOD_DEFAULTS.get(method, (128, False))
     group_size = default_group if group_size is None else group_size
+    if zero_point and method in ("int8", "gguf"):
+        why = "int8 is symmetric per output channel" if method == "int8" else "gguf keeps the file's own blocks"
+        raise PipelineError(f"quantize: zero_point applies to the int4 methods (int4-rtn, int4-gptq, int4-awq); {why}")
     zero_point = default_zero_point if zero_point is None else zero_point
     _check_options(method, group_size, lm_head, embedding)
     if method == "gguf":

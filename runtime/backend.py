@@ -53,7 +53,7 @@ def load_backend(manifest: Manifest, kind: str = "onnxruntime", threads: int | N
         from fxllm.runtime.backend_ort import OrtBackend
 
         backend = OrtBackend(manifest.model_file, threads=threads, providers=providers,
-                             int8_activations=int8_activations, spin=spin)
+                             int8_activations=int8_activations, spin=spin, aliases=manifest.io.aliases)
         check_model_matches(manifest, backend)
         return backend
     if kind == "torch":  # a --target torch artifact (model.pt2) on `device`, KV kept there between steps

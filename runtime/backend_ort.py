@@ -23,7 +23,9 @@ class OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, model_path: Path, threads: int | None = None, providers: list[str] | None = None,
-                 int8_activations: bool = False, spin: bool = True):
+                 int8_activations: bool = False, spin: bool = True, aliases: dict[str, str] | None = None):
+        """aliases: {output: input} whose memory is one buffer (shared-buffer KV caches): those outputs are bound
+        to their input's array, which the step updates in place (ONNX Runtime IOBinding)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -42,6 +44,10 @@ class OrtBackend:
             raise ArtifactError(f"ONNX Runtime cannot load '{model_path}': {exc}") from exc
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.input_names = [i.name for i in self.session.get_inputs()]
+        self.aliases = dict(aliases or {})
+        self._binding = self.session.io_binding() if self.aliases else None
+        self._bound: dict[str, tuple] = {}  # input name → (address, shape, dtype) it is bound to
+        self._binding_order: list[str] = []  # outputs in the order IOBinding returns them (first bound first)
 
     @property
     def providers(self) -> list[str]:
@@ -59,7 +65,43 @@ class OrtBackend:
         return dict(self.session.get_modelmeta().custom_metadata_map)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+        if self._binding is None:
+            return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+        return self._run_bound(feeds)
+
+    def _run_bound(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One call with the aliased outputs written into their inputs' arrays. Bindings are kept between calls
+        and redone only for an array at a new address or of a new shape (the KV buffers rarely move)."""
+        binding = self._binding
+        aliased_inputs = {source: output for output, source in self.aliases.items()}
+        arrays = {name: np.ascontiguousarray(array) for name, array in feeds.items()}
+        for name, array in arrays.items():
+            key = (array.__array_interface__["data"][0], array.shape, array.dtype.str)
+            if self._bound.get(name) == key:
+                continue
+            binding.bind_input(name, "cpu", 0, array.dtype, array.shape, key[0])
+            self._bound[name] = key
+            if name in aliased_inputs:
+                self._bind_output(aliased_inputs[name], array)
+        for name in self.output_names:
+            if name not in self.aliases:
+                self._bind_output(name, None)
+        self.session.run_with_iobinding(binding)
+        values = dict(zip(self._binding_order, binding.get_outputs()))
+        outputs = {}
+        for name in self.output_names:
+            source = self.aliases.get(name)
+            outputs[name] = arrays[source] if source is not None else values[name].numpy()
+        return outputs
+
+    def _bind_output(self, name: str, array: np.ndarray | None) -> None:
+        if array is None:
+            self._binding.bind_output(name, "cpu")
+        else:
+            self._binding.bind_output(name, "cpu", 0, array.dtype, array.shape,
+                                      array.__array_interface__["data"][0])
+        if name not in self._binding_order:
+            self._binding_order.append(name)
 
 
 def _dtype(onnx_type: str) -> str:

@@ -9,6 +9,10 @@ Cache kinds and their per-layer tensors (`kind` is "key" or "value"):
               outputs present_{kind}_{layer} [batch, kv_heads, total, head_dim] (past followed by this step's)
   paged:      inputs {kind}_cache_{layer} [blocks, block_size, kv_heads, head_dim] (the pool),
               outputs new_{kind}_{layer} [batch, kv_heads, tokens, head_dim] (this step's, written by the runtime)
+A contiguous cache whose past inputs name dim 2 `capacity` (KV_CAPACITY) is a shared buffer (the ort target's
+GroupQueryAttention lowering): past_{kind}_{layer} [batch, kv_heads, capacity, head_dim] holds the past in rows
+[0, total - tokens), total = attention_mask's length; the step writes its rows [total - tokens, total) in place and
+present_{kind}_{layer} is that same buffer, which the caller binds to the same memory (ModelIO.aliases).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ INTEGER_DTYPES = ("int64",)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # logits and KV caches
 
 CONTIGUOUS, PAGED = "contiguous", "paged"
+KV_CAPACITY = "capacity"  # dim 2 of a shared-buffer contiguous cache (see the module docstring)
 CACHE_KINDS = ("key", "value")
 _CACHE_NAMES = {  # cache kind → (input pattern, output pattern)
     CONTIGUOUS: ("past_{kind}_{layer}", "present_{kind}_{layer}"),
@@ -190,6 +195,22 @@ class ModelIO:
     @property
     def paged(self) -> bool:
         return self.cache == PAGED
+
+    @property
+    def shared_buffer(self) -> bool:
+        """A contiguous cache the step updates in place: each present output aliases its past input."""
+        if self.cache != CONTIGUOUS:
+            return False
+        pasts = [sig for sig in self.inputs if (role := parse_cache_name(sig.name)) is not None and role.is_input]
+        return bool(pasts) and all(len(sig.dims) == 4 and sig.dims[2] == KV_CAPACITY for sig in pasts)
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """{present output: past input} whose memory must be one buffer (shared-buffer caches; else empty)."""
+        if not self.shared_buffer:
+            return {}
+        return {cache_output(CONTIGUOUS, kind, i): cache_input(CONTIGUOUS, kind, i)
+                for kind in CACHE_KINDS for i in range(self.num_layers)}
 
     @property
     def input_names(self) -> list[str]:

@@ -51,3 +51,66 @@ class ContiguousKVCache:
         if length < self.length:
             self.keys = [k[:, :, :length] for k in self.keys]
             self.values = [v[:, :, :length] for v in self.values]
+
+
+@dataclass
+class SharedKVCache:
+    """A contiguous cache in preallocated buffers that the model updates in place (shared-buffer artifacts, see
+    runtime/contract.py): per layer [B, kv_heads, capacity, head_dim], rows [0, length) valid. The backend binds
+    each present output to its past input's memory; `reserve` is called before each step with the step's total."""
+
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+    length: int = 0
+    pending: int = 0  # the total the step being run will leave
+    MIN_CAPACITY = 256  # rows allocated at first; doubled whenever a step needs more (amortized copies)
+
+    @classmethod
+    def empty(cls, layers: int, batch: int, kv_heads: int, head_dim: int) -> SharedKVCache:
+        shape = (batch, kv_heads, cls.MIN_CAPACITY, head_dim)
+        return cls([np.zeros(shape, np.float32) for _ in range(layers)],
+                   [np.zeros(shape, np.float32) for _ in range(layers)])
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reserve(self, total: int) -> None:
+        """Make room for `total` rows (the step's past + new tokens), keeping the valid ones."""
+        if total > self.capacity:
+            capacity = max(total, 2 * self.capacity)
+            self.keys = [self._moved(k, 0, capacity) for k in self.keys]
+            self.values = [self._moved(v, 0, capacity) for v in self.values]
+        self.pending = total
+
+    def _moved(self, array: np.ndarray, start: int, capacity: int, rows: list[int] | None = None) -> np.ndarray:
+        """A new buffer of `capacity` rows holding rows [start, length) of `array` (batch rows `rows` only)."""
+        source = array if rows is None else array[rows]
+        moved = np.zeros((source.shape[0], source.shape[1], capacity, source.shape[3]), np.float32)
+        moved[:, :, : self.length - start] = source[:, :, start: self.length]
+        return moved
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        feeds = {cache_input(CONTIGUOUS, "key", i): k for i, k in enumerate(self.keys)}
+        feeds.update({cache_input(CONTIGUOUS, "value", i): v for i, v in enumerate(self.values)})
+        return feeds
+
+    def update(self, outputs: dict[str, np.ndarray]) -> None:
+        """The step wrote its rows into the buffers themselves; only the valid length moves."""
+        self.length = self.pending
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.keys = [self._moved(k, 0, self.capacity, rows) for k in self.keys]
+        self.values = [self._moved(v, 0, self.capacity, rows) for v in self.values]
+
+    def drop_leading(self, count: int) -> None:
+        self.keys = [self._moved(k, count, self.capacity) for k in self.keys]
+        self.values = [self._moved(v, count, self.capacity) for v in self.values]
+        self.length -= count
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from `length` on (they are overwritten by later steps)."""
+        self.length = min(self.length, length)

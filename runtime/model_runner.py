@@ -21,7 +21,7 @@ import numpy as np
 from fxllm.runtime.backend import Backend
 from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, LOGITS, LOGITS_INDEX,
                                     POSITION_IDS, ModelIO, ModelSpec)
-from fxllm.runtime.kv_cache import ContiguousKVCache
+from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache
 from fxllm.runtime.paged_cache import PagedKVPool
 from fxllm.runtime.scheduler import PREFILL, ScheduledBatch
 
@@ -68,6 +68,8 @@ class ModelRunner:
     # -- one sequence on its own contiguous cache (scoring, speculative decoding) ------------------------------------
 
     def new_cache(self, batch: int = 1) -> ContiguousKVCache:
+        if self.io.shared_buffer:  # the model writes into the buffers in place (runtime/contract.py)
+            return SharedKVCache.empty(self.io.num_layers, batch, self.spec.num_kv_heads, self.spec.head_dim)
         make = getattr(self.backend, "new_contiguous_cache", ContiguousKVCache.empty)  # device-resident if it has one
         return make(self.io.num_layers, batch, self.spec.num_kv_heads, self.spec.head_dim)
 
@@ -120,6 +122,8 @@ class ModelRunner:
     def _run_contiguous(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
                         cache: ContiguousKVCache, all_logits: bool) -> np.ndarray:
         """One call; the cache takes the new K/V. Logits [B, T or 1, V]."""
+        if isinstance(cache, SharedKVCache):
+            cache.reserve(attention_mask.shape[1])
         feeds = {INPUT_IDS: input_ids, POSITION_IDS: position_ids, ATTENTION_MASK: attention_mask,
                  **self._logits_index(input_ids.shape[1], all_logits), **cache.feeds()}
         outputs = self.backend.run(feeds)

@@ -12,16 +12,21 @@ import onnxruntime as ort
 from tests.conftest import PROMPTS
 
 
-def test_onnx_is_valid_standard_and_native(make_tiny_artifact):
-    artifact = make_tiny_artifact("llama")
+def test_onnx_is_valid_standard_and_native(make_tiny_model, tmp_path):
+    """The standard form (target tensorrt; target ort legalizes it further: tests/test_ort_legalization.py)."""
+    import fxllm
+
+    artifact = tmp_path / "trt"
+    fxllm.compile(make_tiny_model("llama"), artifact, target="tensorrt")
     model_path = artifact / "model.onnx"
     onnx.checker.check_model(str(model_path), full_check=True)
     model = onnx.load(str(model_path), load_external_data=False)
     assert {op.domain for op in model.opset_import} <= {"", "ai.onnx"}
-    assert all(node.domain in ("", "ai.onnx") for node in model.graph.node), "no contrib ops in the standard form"
+    assert all(node.domain in ("", "ai.onnx") for node in model.graph.node), "no contrib ops in the TensorRT form"
     ops = Counter(node.op_type for node in model.graph.node)
     assert ops["Attention"] == 2  # one per layer, fed by the cache concatenation
     assert ops["RMSNormalization"] == 5 and ops["RotaryEmbedding"] == 4
+    assert ops["Cos"] == ops["Sin"] == 1, "one rotary table shared by every layer"
     assert not {"Expand", "Tile"} & set(ops), "K/V must not be repeated to the query heads"
     attention = [n for n in model.graph.node if n.op_type == "Attention"]
     outputs = {name: node for node in model.graph.node for name in node.output}

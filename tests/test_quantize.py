@@ -194,7 +194,9 @@ def test_quantized_artifact_form_and_generation(method, bits, make_tiny_model, c
         assert initializers[node.input[0]].data_type == bits
     consumers = {name: n.op_type for n in model.graph.node for name in n.input}
     assert {consumers[n.output[0]] for n in dq} == {"MatMul"}
-    assert audit_file(artifact) == []
+    # TensorRT-legal but for the attention and norm contrib ops the ort target's legalization adds
+    assert {f.op for f in audit_file(artifact)} <= {"com.microsoft.GroupQueryAttention",
+                                                    "com.microsoft.SkipSimplifiedLayerNormalization"}
     # float activations unless compiled with int8_activations=True: the default runs the drift report's math
     assert json.loads((artifact / "manifest.json").read_text())["runtime"] == {"int8_activations": False}
     results = fxllm.load(artifact).generate(["The quick brown fox", "Paris is"], max_new_tokens=8)
@@ -231,6 +233,22 @@ def test_calibrated_methods_compile_with_per_layer_errors(method, lm_head, embed
     assert len(result.token_ids) == 6
 
 
+@pytest.mark.parametrize("method", ["int4-gptq", "int4-awq"])
+def test_calibrated_methods_default_to_asymmetric_group_64(method, make_tiny_model, calibration_file, tmp_path):
+    """Without group_size / zero_point the calibrated methods use METHOD_DEFAULTS (asymmetric, group 64): the
+    lowered blocks are 64 wide and carry zero points (the ort form: UINT4 zero points on the DequantizeLinear)."""
+    from fxllm.passes.quantize import METHOD_DEFAULTS
+
+    assert METHOD_DEFAULTS[method] == (64, True)
+    artifact, report = _compile(make_tiny_model("llama"), tmp_path, method,
+                                f"method={method};calib={calibration_file};samples=2;seq_len=64")
+    model = onnx.load(str(artifact / "model.onnx"), load_external_data=False)
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert dq and all(len(n.input) == 3 for n in dq)
+    assert {a.i for n in dq for a in n.attribute if a.name == "block_size"} == {64}
+    assert "group size 64, asymmetric" in " ".join(json.loads((artifact / "manifest.json").read_text())["spec"]["notes"])
+
+
 def test_quantize_bad_options(make_tiny_model, tmp_path):
     """Each is refused before the graph is touched, so one captured program serves every case."""
     source = resolve_source(make_tiny_model("llama"))
@@ -244,6 +262,7 @@ def test_quantize_bad_options(make_tiny_model, tmp_path):
                           ("method=int4-rtn;group_size=24", "power of two"),
                           ("method=int4-rtn;group_size=24;zero_point=true", "power of two"),
                           ("method=int4-rtn;lm_head=int2", "lm_head must be one of"),
+                          ("method=int8;zero_point=true", "zero_point applies to the int4 methods"),
                           (f"method=int4-gptq;calib={empty}", "is empty"),
                           (f"method=int4-awq;calib={short}", "has 8 tokens; 16 samples of 512 tokens need 8192"),
                           (f"method=int4-gptq;calib={tmp_path / 'missing.txt'}", "cannot read the calibration text")]:
@@ -265,8 +284,9 @@ def _onnx_logits(path, feeds: dict, optimize: bool):
 @pytest.mark.parametrize("target,group", [("ort", 32), ("tensorrt", 128)])
 def test_asymmetric_int4_lowers_exactly(target, group, make_tiny_model, tmp_path):
     """int4 with zero points (group 32; and 128, one ragged block on the tiny model's 64-wide inputs), lowered to
-    ONNX: the artifact's logits equal the rewritten torch program's, with ONNX Runtime's fusions off and on; the
-    DequantizeLinears carry no zero point and the TensorRT audit passes."""
+    ONNX: the artifact's logits equal the rewritten torch program's, with ONNX Runtime's fusions off and on. The
+    TensorRT form carries them as an exact offset term (no zero point; the audit passes); the ort form as UINT4
+    zero points (compiler/targets/ort/int4_zero_points.py)."""
     from fxllm.compiler.interface import step_inputs
     from fxllm.compiler.targets.onnx_export import lower_to_onnx
 
@@ -283,6 +303,9 @@ def test_asymmetric_int4_lowers_exactly(target, group, make_tiny_model, tmp_path
     for optimize in (False, True):
         assert abs(_onnx_logits(path, feeds, optimize) - expected).max() < 2e-4
     model = onnx.load(str(path), load_external_data=False)
-    assert all(len(n.input) == 2 for n in model.graph.node if n.op_type == "DequantizeLinear")
-    assert sum(n.op_type == "ReduceSum" for n in model.graph.node) == 2 * 4  # one offset term per projection
-    assert audit_file(path) == []
+    inputs = 2 if target == "tensorrt" else 3
+    assert all(len(n.input) == inputs for n in model.graph.node if n.op_type == "DequantizeLinear")
+    offsets = sum(n.op_type == "ReduceSum" for n in model.graph.node)
+    assert offsets == (2 * 4 if target == "tensorrt" else 0)  # one offset term per projection
+    if target == "tensorrt":
+        assert audit_file(path) == []

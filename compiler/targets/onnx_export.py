@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -15,11 +16,13 @@ import torch
 
 from fxllm.compiler.interface import make_input, sample_dims
 from fxllm.compiler.targets.onnx_translations import TRANSLATIONS
+from fxllm.compiler.targets.ort import LegalizationContext
+from fxllm.compiler.targets.ort import legalize as ort_legalize
 from fxllm.compiler.program import Program
 from fxllm.compiler.quant.numerics import HALF_SUFFIX
 from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
 from fxllm.errors import UnsupportedModelError
-from fxllm.runtime.contract import CONTRACT_METADATA_KEY, contract_digest
+from fxllm.runtime.contract import CONTRACT_METADATA_KEY, TensorSig, contract_digest
 
 OPSET = 23
 TARGETS = ("ort", "tensorrt")
@@ -36,11 +39,23 @@ def export_program(program: Program) -> torch.export.ExportedProgram:
         return torch.export.export(program.graph_module, args, dynamic_shapes=dynamic, strict=False)
 
 
+@dataclass
+class Lowered:
+    """The written model (proto without weights, checked) and its calling convention, which the `ort` target's
+    legalization may change from the program's (a shared KV buffer): the manifest records this one."""
+
+    model: onnx.ModelProto
+    inputs: list[TensorSig]
+    outputs: list[TensorSig]
+    legalized: dict[str, int] = field(default_factory=dict)  # ort: sites rewritten per legalization step
+
+
 def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort",
-                  seconds: dict[str, float] | None = None) -> onnx.ModelProto:
-    """Write `path` (+ `path`.data with the weights) and return the model proto without weights, checked.
-    The exporter's model is finished in memory (dimension names, node origins, packed INT4, float16 GGUF scales)
-    and written once. `seconds` (optional) receives the time of each lowering step."""
+                  seconds: dict[str, float] | None = None, ort_steps: tuple[str, ...] | None = None) -> Lowered:
+    """Write `path` (+ `path`.data with the weights) and return the checked model and its signature.
+    The exporter's model is finished in memory (dimension names, node origins, the `ort` target's legalization
+    steps — all of them, or only those named in `ort_steps` — packed INT4, float16 GGUF scales) and written once.
+    `seconds` (optional) receives the time of each lowering step."""
     if target not in TARGETS:
         raise UnsupportedModelError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     timer = _Timer(seconds)
@@ -56,21 +71,57 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
             custom_translation_table=TRANSLATIONS,
             input_names=[sig.name for sig in program.inputs],
             output_names=[sig.name for sig in program.outputs],
-            optimize=True,
+            optimize=False,  # its optimizer's general rewrite rules cost ~90% of the export; see optimize_graph
             verbose=False,
         )
+    with timer("optimize"):
+        optimize_graph(onnx_program.model)
     path = Path(path)
     with timer("finish"):
         model = onnx_program.model
         name_dimensions(model, program)
         record_origins(model, exported.graph)
+        share_rotary_tables(model)
+    context = LegalizationContext(program.spec, list(program.inputs), list(program.outputs))
+    if target == "ort":
+        ort_legalize(model, context, timer.seconds, only=ort_steps)
+    with timer("finish"):
         pack_int4_weights(model)
         if target == "ort":
             store_half_scales(model)
+        model.metadata_props[CONTRACT_METADATA_KEY] = contract_digest(program.spec.to_dict(), context.inputs,
+                                                                      context.outputs)
     with timer("save"):
         onnx_program.save(str(path), external_data=True)
     with timer("check"):
-        return check_onnx(path)
+        checked = check_onnx(path)
+    return Lowered(checked, context.inputs, context.outputs, context.rewritten)
+
+
+def optimize_graph(model: ir.Model) -> None:
+    """The exporter's `optimize=True` minus its general pattern-rewrite rule set: constant folding, the no-op
+    eliminations, the opset-23 fusions (RMSNormalization, RotaryEmbedding), then dead-node removal, constants lifted
+    to initializers, deduplication and CSE. The general rules (cast/transpose/reshape chains, slice collapsing,
+    conv/batch-norm fusions...) matched about 370,000 times per SmolLM2 graph for a 5-node difference (one Squeeze,
+    two Unsqueeze, two Reshape), and took 33 of the optimizer's 35 s; ONNX Runtime simplifies those at load."""
+    import onnx_ir.passes.common as common
+    import onnxscript.rewriter.onnx_fusions
+    from onnxscript import rewriter
+    from onnxscript.optimizer import _constant_folding
+    from onnxscript.rewriter.rules.common import _no_op
+
+    def fold():
+        return _constant_folding.FoldConstantsPass(
+            shape_inference=True, input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+            output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT, should_fold=lambda node: None)
+
+    for step in (common.InlinePass(), fold(), rewriter.RewritePass(_no_op.rules), common.RemoveUnusedNodesPass(),
+                 fold(), common.RemoveUnusedNodesPass(), common.LiftConstantsToInitializersPass(
+                     lift_all_constants=True, size_limit=0), common.DeduplicateInitializersPass(),
+                 common.CommonSubexpressionEliminationPass(), common.OutputFixPass(), common.NameFixPass()):
+        step(model)
+    onnxscript.rewriter.onnx_fusions.fuse(model)
+    common.RemoveUnusedNodesPass()(model)
 
 
 @contextlib.contextmanager
@@ -130,10 +181,7 @@ def _values(graph: ir.Graph):
 def name_dimensions(model: ir.Model, program: Program) -> None:
     """Replace export's symbols (s0, s70, 's1 + s70'...) by the signature's names (batch, tokens, past, total) on
     the graph's inputs, outputs and every intermediate that uses the same symbols, so ONNX users (and TensorRT
-    optimization profiles) see meaningful dynamic dimensions. Also records the contract digest the runtime checks
-    the manifest against."""
-    model.metadata_props[CONTRACT_METADATA_KEY] = contract_digest(program.spec.to_dict(), program.inputs,
-                                                                  program.outputs)
+    optimization profiles) see meaningful dynamic dimensions."""
     graph = model.graph
     renames: dict[str, str] = {}
     for value, sig in list(zip(graph.inputs, program.inputs)) + list(zip(graph.outputs, program.outputs)):
@@ -160,6 +208,29 @@ def record_origins(model: ir.Model, graph: torch.fx.Graph) -> None:
         fx_node = node.metadata_props.get("pkg.torch.onnx.fx_node", "")
         name = fx_node.split(" ", 1)[0].lstrip("%") or (node.name or "").removeprefix("node_")
         node.metadata_props[ORIGIN_KEY] = origins.get(name) or "lowering"
+
+
+def share_rotary_tables(model: ir.Model) -> int:
+    """The exporter recomputes the rotary cos/sin in every layer from the same angles (60 `Cos` + 60 `Sin` for
+    SmolLM2); keep one `Cos` and one `Sin` per distinct input and feed every RotaryEmbedding from them (exact: the
+    same op on the same value). ONNX Runtime's own CSE does this at session creation; TensorRT's parser and anyone
+    reading the file see the shared form. → the number of nodes removed."""
+    graph = model.graph
+    first: dict[tuple[str, int], ir.Node] = {}
+    removed = 0
+    for node in list(graph):
+        if node.op_type not in ("Cos", "Sin") or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
+            continue
+        key = (node.op_type, id(node.inputs[0]))
+        if key not in first:
+            first[key] = node
+            continue
+        if node.outputs[0].is_graph_output():
+            continue
+        node.outputs[0].replace_all_uses_with(first[key].outputs[0])
+        graph.remove(node, safe=True)
+        removed += 1
+    return removed
 
 
 INT4_SUFFIX = "_int4_codes"

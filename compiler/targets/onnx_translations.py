@@ -84,12 +84,20 @@ def dequant_embedding(codes, scales, ids, block_size: int, transposed: bool = Fa
 
 
 def gather_blocks(pool, block_tables):
-    """fxllm::gather_blocks → Gather(pool, tables) [B,n,bs,H,D] → Reshape [B,n*bs,H,D] → Transpose [B,H,n*bs,D]."""
-    rows = op.Gather(pool, block_tables, axis=0)
-    batch = op.Shape(block_tables, start=0, end=1)
-    heads_dim = op.Shape(pool, start=2, end=4)
-    flat = op.Reshape(rows, op.Concat(batch, op.Constant(value_ints=[-1]), heads_dim, axis=0))
-    return op.Transpose(flat, perm=[0, 2, 1, 3])
+    """fxllm::gather_blocks → one Gather of head_dim-wide rows straight into [B, Hkv, n*bs, D]: the pool viewed as
+    [blocks*bs*Hkv, D] rows, row index (table[b, s // bs]·bs + s % bs)·Hkv + h for head h and position s. The index
+    depends on the block table only, so CSE leaves one per graph; no Transpose of the gathered context follows
+    (gathering whole blocks needs one: [B, n, bs, Hkv, D] → [B, Hkv, n·bs, D])."""
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    block_size = op.Squeeze(op.Shape(pool, start=1, end=2))
+    heads = op.Squeeze(op.Shape(pool, start=2, end=3))
+    positions = op.Range(zero, op.Mul(op.Squeeze(op.Shape(block_tables, start=1, end=2)), block_size), one)  # [S]
+    blocks = op.Gather(block_tables, op.Div(positions, block_size), axis=1)  # [B, S]
+    slots = op.Add(op.Mul(blocks, block_size), op.Mod(positions, block_size))  # [B, S]
+    head = op.Unsqueeze(op.Range(zero, heads, one), op.Constant(value_ints=[0, 2]))  # [1, Hkv, 1]
+    rows = op.Add(op.Mul(op.Unsqueeze(slots, op.Constant(value_ints=[1])), heads), head)  # [B, Hkv, S]
+    flat = op.Reshape(pool, op.Concat(op.Constant(value_ints=[-1]), op.Shape(pool, start=3, end=4), axis=0))
+    return op.Gather(flat, rows, axis=0)
 
 
 def paged_mask(context_lens, block_tables, input_ids, block_size: int):

@@ -90,6 +90,32 @@ def audit_file(path: str | os.PathLike, trt_version: Version = DEFAULT_TRT_VERSI
     return audit_model(onnx.load(str(path), load_external_data=False), trt_version)
 
 
+def unverified_forms(model: onnx.ModelProto) -> list[str]:
+    """Forms the audit passes but nobody has checked on TensorRT: blocked DequantizeLinear of INT8 weights (TensorRT
+    documents blocked quantization for INT4 weights) and blocked weights whose last block is shorter (the ONNX spec and
+    ONNX Runtime allow it). One line per kind, with the number of nodes; empty when there are none."""
+    initializers = {init.name: init for init in model.graph.initializer}
+    blocked_int8, ragged = 0, 0
+    for node in model.graph.node:
+        if node.op_type != "DequantizeLinear" or node.input[0] not in initializers:
+            continue
+        block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+        if block <= 0:
+            continue
+        weight = initializers[node.input[0]]
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        blocked_int8 += weight.data_type == onnx.TensorProto.INT8
+        ragged += bool(weight.dims) and weight.dims[axis] % block != 0
+    notes = []
+    if blocked_int8:
+        notes.append(f"{blocked_int8} blocked INT8 DequantizeLinear(s) (an int8 lm_head or embedding, GGUF Q8_0): "
+                     "TensorRT documents blocked dequantization for INT4 weights; INT8 blocks are not verified on it")
+    if ragged:
+        notes.append(f"{ragged} blocked DequantizeLinear(s) with a shorter last block (the input size is not a multiple "
+                     "of the group size): allowed by ONNX and ONNX Runtime, not verified on TensorRT")
+    return notes
+
+
 def format_findings(findings: list[Finding], trt_version: Version = DEFAULT_TRT_VERSION) -> str:
     target = f"TensorRT {trt_version[0]}.{trt_version[1]}"
     if not findings:

@@ -1,0 +1,216 @@
+"""Target `ort` legalization (compiler/targets/ort): every step is checked against the standard form it rewrites,
+on the same inputs — identical greedy tokens, logits within float noise — and for the form it produces."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+import fxllm
+from fxllm.compiler.capture import capture
+from fxllm.compiler.pass_manager import run_pipeline
+from fxllm.compiler.pipeline import build_pipeline, parse_pipeline, place_quantization
+from fxllm.compiler.sources import load_model, resolve_source
+from fxllm.compiler.targets.onnx_export import lower_to_onnx
+from fxllm.compiler.targets.ort import STEP_NAMES
+from fxllm.compiler.targets.tensorrt_audit import audit_file
+from fxllm.errors import PipelineError
+from fxllm.runtime.backend_ort import OrtBackend
+from fxllm.runtime.contract import KV_CAPACITY, ModelIO
+from fxllm.runtime.kv_cache import SharedKVCache
+from fxllm.runtime.model_runner import ModelRunner
+from tests.conftest import PROMPTS
+
+QUANTIZED = "cleanup,gqa,fuse-projections,select-logits,quantize:{options},kv-cache"
+
+
+def program_of(model: Path, passes: str | None = None):
+    """The captured, rewritten program of a model directory or GGUF file (a GGUF keeps its blocks, as compile does)."""
+    source = resolve_source(model)
+    passes, options = place_quantization(passes, None, gguf=bool(source.gguf_file))
+    program = capture(load_model(source)).program
+    if source.gguf_file:
+        program.source_file = source.directory / source.gguf_file
+    program, _ = run_pipeline(program, build_pipeline(parse_pipeline(passes), options))
+    return program
+
+
+def ops(path: Path) -> Counter:
+    return Counter(node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+def greedy(path: Path, lowered, program, prompt: list[int], steps: int = 12) -> tuple[list[int], list[np.ndarray]]:
+    """Prefill + `steps` greedy decode steps through the runtime's model runner (shared KV buffers bound by the
+    ORT backend when the signature has them); → tokens and every step's logits."""
+    io = ModelIO.from_signature(lowered.inputs, lowered.outputs)
+    runner = ModelRunner(OrtBackend(path, threads=1, aliases=io.aliases), io, program.spec)
+    cache = runner.new_cache()
+    logits = [runner.step_one(cache, prompt, 0, all_logits=True)]
+    tokens = [int(logits[-1][-1].argmax())]
+    for _ in range(steps):
+        logits.append(runner.step_one(cache, tokens[-1:], len(prompt) + len(tokens) - 1, all_logits=False))
+        tokens.append(int(logits[-1][-1].argmax()))
+    return tokens, logits
+
+
+def assert_same_generation(standard, legalized, program, tokenizer, tolerance: float) -> None:
+    for text in PROMPTS[:2]:
+        ids = tokenizer(text)["input_ids"]
+        want_tokens, want_logits = greedy(*standard, program, ids)
+        got_tokens, got_logits = greedy(*legalized, program, ids)
+        assert got_tokens == want_tokens
+        assert max(float(np.abs(a - b).max()) for a, b in zip(got_logits, want_logits)) < tolerance
+
+
+@pytest.fixture(scope="module")
+def float_program(make_tiny_model):
+    return program_of(make_tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def float_lowerings(float_program, tmp_path_factory):
+    """The tiny llama's default pipeline lowered to the standard form and with every ort step."""
+    directory = tmp_path_factory.mktemp("ort-legalization")
+    result = {}
+    for name, steps in (("standard", ()), ("legalized", None)):
+        path = directory / f"{name}.onnx"
+        result[name] = (path, lower_to_onnx(float_program, path, "ort", ort_steps=steps))
+    return result
+
+
+def test_group_query_attention_and_skip_norm_form(float_lowerings, float_program):
+    path, lowered = float_lowerings["legalized"]
+    counts = ops(path)
+    layers = float_program.spec.num_layers
+    assert lowered.legalized["group-query-attention"] == counts["GroupQueryAttention"] == layers
+    assert lowered.legalized["skip-rms-norm"] == counts["SkipSimplifiedLayerNormalization"] == 2 * layers
+    assert "Attention" not in counts and "Concat" not in counts and "Transpose" not in counts
+    assert counts["RotaryEmbedding"] == 2 * layers  # kept outside the attention, on the 3D q and k
+    io = ModelIO.from_signature(lowered.inputs, lowered.outputs)
+    assert io.shared_buffer and io.aliases["present_key_0"] == "past_key_0"
+    graph_inputs = {i.name: i for i in onnx.load(str(path), load_external_data=False).graph.input}
+    assert graph_inputs["past_key_0"].type.tensor_type.shape.dim[2].dim_param == KV_CAPACITY
+    standard_path, standard = float_lowerings["standard"]
+    assert not ModelIO.from_signature(standard.inputs, standard.outputs).shared_buffer
+    assert all(node.domain in ("", "ai.onnx") for node in onnx.load(str(standard_path)).graph.node)
+
+
+def test_legalized_form_generates_what_the_standard_form_does(float_lowerings, float_program, tokenizer):
+    assert_same_generation(float_lowerings["standard"], float_lowerings["legalized"], float_program, tokenizer, 1e-4)
+
+
+def test_shared_buffer_grows_and_rolls_back(float_lowerings, float_program, tokenizer, monkeypatch):
+    """A buffer smaller than the context is regrown with its rows kept; a truncated buffer (speculative rollback)
+    is overwritten by the next step exactly like a cache that was cut."""
+    monkeypatch.setattr(SharedKVCache, "MIN_CAPACITY", 4)
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    want, _ = greedy(*float_lowerings["standard"], float_program, ids, steps=20)
+    got, _ = greedy(*float_lowerings["legalized"], float_program, ids, steps=20)
+    assert got == want
+    path, lowered = float_lowerings["legalized"]
+    io = ModelIO.from_signature(lowered.inputs, lowered.outputs)
+    runner = ModelRunner(OrtBackend(path, threads=1, aliases=io.aliases), io, float_program.spec)
+    cache = runner.new_cache()
+    runner.step_one(cache, ids + want[:5], 0, all_logits=False)
+    cache.truncate(len(ids) + 2)  # reject three "draft" tokens
+    logits = runner.step_one(cache, want[2:6], len(ids) + 2, all_logits=True)
+    assert [int(row.argmax()) for row in logits] == want[3:7]
+
+
+def test_engine_batches_left_padded_rows_on_the_shared_buffer(make_tiny_model, tmp_path):
+    """The whole runtime: batched prompts of different lengths (left padding, rows leaving the batch) on the
+    legalized artifact give the standard form's tokens."""
+    model = make_tiny_model("llama")
+    outputs = {}
+    for name, steps in (("standard", ()), ("legalized", None)):
+        fxllm.compile(model, tmp_path / name, ort_steps=steps)
+        engine = fxllm.load(tmp_path / name)
+        outputs[name] = [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=16)]
+    assert outputs["legalized"] == outputs["standard"]
+
+
+def test_shared_cache_row_and_column_edits_match_the_growing_cache():
+    """select_rows / drop_leading / truncate on the shared buffer keep exactly what the growing cache keeps."""
+    from fxllm.runtime.kv_cache import ContiguousKVCache
+
+    rng = np.random.default_rng(0)
+    keys = [rng.standard_normal((3, 2, 7, 4)).astype(np.float32) for _ in range(2)]
+    growing = ContiguousKVCache([k.copy() for k in keys], [k + 1 for k in keys])
+    shared = SharedKVCache.empty(2, 3, 2, 4)
+    shared.reserve(7)
+    for buffer, k in zip(shared.keys + shared.values, keys + [k + 1 for k in keys]):
+        buffer[:, :, :7] = k
+    shared.update({})
+    for edit in (lambda c: c.select_rows([2, 0]), lambda c: c.drop_leading(3), lambda c: c.truncate(2)):
+        edit(growing), edit(shared)
+        assert shared.length == growing.length
+        for a, b in zip(shared.keys + shared.values, growing.keys + growing.values):
+            np.testing.assert_array_equal(a[:, :, :shared.length], b)
+
+
+@pytest.fixture(scope="module")
+def asymmetric_program(make_tiny_model):
+    return program_of(make_tiny_model("llama"),
+                      QUANTIZED.format(options="method=int4-rtn;zero_point=true;group_size=32"))
+
+
+def test_int4_zero_points_replace_the_offset_term(asymmetric_program, tmp_path, tokenizer):
+    standard = (tmp_path / "std.onnx", None)
+    standard = (standard[0], lower_to_onnx(asymmetric_program, standard[0], "ort", ort_steps=()))
+    path = tmp_path / "zp.onnx"
+    legalized = (path, lower_to_onnx(asymmetric_program, path, "ort", ort_steps=("int4-zero-points",)))
+    assert legalized[1].legalized["int4-zero-points"] == 2 * 4  # qkv, o, gate+up, down per layer
+    model = onnx.load(str(path), load_external_data=False)
+    counts = ops(path)
+    assert "ReduceSum" not in counts and ops(standard[0])["ReduceSum"] == 8
+    initializers = {i.name: i for i in model.graph.initializer}
+    for node in (n for n in model.graph.node if n.op_type == "DequantizeLinear"):
+        assert len(node.input) == 3
+        assert {initializers[node.input[i]].data_type for i in (0, 2)} == {onnx.TensorProto.UINT4}
+    # float activations in both: (u - z)·s against c·s + s·(8 - z), the same numbers up to rounding
+    assert_same_generation(standard, legalized, asymmetric_program, tokenizer, 1e-3)
+
+
+def test_tied_quantized_head_fuses_into_matmulnbits(tmp_path, tokenizer):
+    """A GGUF's tied Q8_0 token_embd is the lm_head's weight and the embedding's table in one initializer: only the
+    untie step lets ONNX Runtime fuse the lm_head's DequantizeLinear → MatMul (checked in its optimized model)."""
+    from tests.test_gguf_exact import write_tiny_gguf
+
+    program = program_of(write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0", embedding="Q8_0"))
+    lowerings = {}
+    for name, steps in (("standard", ()), ("untied", ("untie-quantized-head",))):
+        path = tmp_path / f"{name}.onnx"
+        lowerings[name] = (path, lower_to_onnx(program, path, "ort", ort_steps=steps))
+    assert lowerings["untied"][1].legalized["untie-quantized-head"] == 2  # its codes and its scales
+
+    def optimized_ops(path: Path) -> Counter:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(path.with_suffix(".optimized.onnx"))
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return ops(path.with_suffix(".optimized.onnx"))
+
+    assert optimized_ops(lowerings["standard"][0])["MatMul"] == 1  # the lm_head: dequantized every step
+    assert optimized_ops(lowerings["untied"][0])["MatMul"] == 0
+    assert_same_generation(lowerings["standard"], lowerings["untied"], program, tokenizer, 1e-4)
+
+
+def test_tensorrt_target_keeps_the_standard_form(float_program, tmp_path):
+    path = tmp_path / "trt.onnx"
+    lowered = lower_to_onnx(float_program, path, "tensorrt")
+    assert lowered.legalized == {}
+    assert all(node.domain in ("", "ai.onnx") for node in onnx.load(str(path)).graph.node)
+    assert audit_file(path) == []
+
+
+def test_unknown_steps_are_refused(make_tiny_model, tmp_path):
+    with pytest.raises(PipelineError, match="unknown ort legalization step"):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "x", ort_steps=("no-such-step",))
+    with pytest.raises(PipelineError, match="applies to target 'ort' only"):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "x", ort_steps=STEP_NAMES, target="tensorrt")
