@@ -18,6 +18,7 @@ from fxllm.runtime.request import SamplingParams
 from fxllm.serving.errors import APIError, bad_request
 from fxllm.serving.logprobs import TokenTexts
 from fxllm.serving.metrics import ServingMetrics
+from fxllm.serving.protocol import ModelCard
 from fxllm.serving.run import GenerationRun
 
 MAX_CHOICES = 128  # most choices (`n`) per request, as the OpenAI API allows
@@ -66,6 +67,31 @@ class OpenAIService:
     def model_id(self) -> str:
         return self.config.model_names[0]
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.config.model_names
+
+    # -- what the routes call (app.py) --------------------------------------------------------------------------------
+
+    async def completion(self, request):
+        from fxllm.serving.completions import create_completion  # (those modules build on this one)
+
+        return await create_completion(self, request)
+
+    async def chat_completion(self, request):
+        from fxllm.serving.chat import create_chat_completion
+
+        return await create_chat_completion(self, request)
+
+    async def card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created, max_model_len=self.max_context)
+
+    async def health(self) -> str:
+        return "ok" if self.engine.accepting else "shutting down"
+
+    async def render_metrics(self) -> tuple[bytes, str]:
+        return self.metrics.render()
+
     # -- checks -------------------------------------------------------------------------------------------------------
 
     def check_model(self, name: str) -> None:
@@ -78,8 +104,9 @@ class OpenAIService:
         if not self.engine.accepting:
             raise APIError(503, "the server is shutting down and accepts no new requests")
 
-    def health(self) -> str:
-        return "ok" if self.engine.accepting else "shutting down"
+    def stop_accepting(self) -> None:
+        """From now on new requests get 503 and /health says "shutting down"; running requests go on."""
+        self.engine.driver.accepting = False
 
     def check_choice(self, choice: Choice) -> None:
         """The engine core's own checks of a request (400 with its one-line message, `param` from an
