@@ -117,7 +117,12 @@ async def _fxllm_error(request: Request, exc: FxllmError) -> JSONResponse:
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, f"internal server error: {type(exc).__name__} (details are in the server log)").response()
+    return internal_error(exc).response()
+
+
+def internal_error(exc: Exception) -> APIError:
+    """A bug (any exception that is not an APIError or FxllmError) as a 500 with a one-line message."""
+    return APIError(500, f"internal server error: {type(exc).__name__} (details are in the server log)")
 
 
 def _one_line(message: str) -> str:
