@@ -120,6 +120,16 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return internal_error(exc).response()
 
 
+def as_api_error(exc: Exception) -> APIError:
+    """Any exception as the APIError the handlers answer it with (a bug is logged here, with its traceback)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, FxllmError):
+        return bad_request(exc)
+    logger.error("internal error", exc_info=exc)
+    return internal_error(exc)
+
+
 def internal_error(exc: Exception) -> APIError:
     """A bug (any exception that is not an APIError or FxllmError) as a 500 with a one-line message."""
     return APIError(500, f"internal server error: {type(exc).__name__} (details are in the server log)")

@@ -49,6 +49,13 @@ class Choice:
     params: SamplingParams
 
 
+def check_model_name(served: tuple[str, ...], name: str) -> None:
+    """404 unless `name` is one of the served names."""
+    if name not in served:
+        raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in served)}", param="model", code="model_not_found")
+
+
 class OpenAIService:
     def __init__(self, engine: AsyncEngine, config: ServingConfig, metric_labels: dict[str, str] | None = None):
         self.engine = engine
@@ -95,10 +102,7 @@ class OpenAIService:
     # -- checks -------------------------------------------------------------------------------------------------------
 
     def check_model(self, name: str) -> None:
-        if name not in self.config.model_names:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                                f"{', '.join(repr(n) for n in self.config.model_names)}", param="model",
-                           code="model_not_found")
+        check_model_name(self.config.model_names, name)
 
     def check_accepting(self) -> None:
         if not self.engine.accepting:
