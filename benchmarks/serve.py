@@ -259,6 +259,7 @@ def measured(server: Server, level, requests: int) -> Run:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stop the servers on the way out
     if args.quick:
         args.reps, args.new_tokens = 1, 16
     levels = [int(c) for c in args.clients.split(",")]

@@ -302,21 +302,19 @@ def cmd_serve(args) -> int:
                                           ("--ray-address", args.ray_address), ("--router", args.router != "default"),
                                           ("--replica-cpus", args.replica_cpus != 1.0),
                                           ("--replica-gpus", args.replica_gpus != 0.0)) if given]
+    from fxllm.serving.server import ServeOptions, serve
+
+    options = ServeOptions(args.artifact, args.host, args.port, args.served_model_name, args.api_key or None,
+                           args.max_queue, args.drain_timeout, args.access_log, "info" if args.verbose else "warning")
     if args.ray:
         from fxllm.serving.ray.cluster import RayServeOptions, serve_on_ray
 
         if args.threads is None:
             del engine_options["threads"]  # each replica's default: its --replica-cpus
-        options = RayServeOptions(args.artifact, args.host, args.port, args.served_model_name, args.api_key or None,
-                                  args.max_queue, args.drain_timeout, args.access_log, args.verbose, args.replicas,
-                                  args.autoscale, args.ray_address, args.replica_cpus, args.replica_gpus, args.router)
-        return serve_on_ray(options, **engine_options)
+        return serve_on_ray(RayServeOptions(options, args.replicas, args.autoscale, args.ray_address,
+                                            args.replica_cpus, args.replica_gpus, args.router), **engine_options)
     if ray_flags:
         raise UsageError(f"{', '.join(ray_flags)} only apply with --ray")
-    from fxllm.serving.server import ServeOptions, serve
-
-    options = ServeOptions(args.artifact, args.host, args.port, args.served_model_name, args.api_key or None,
-                           args.max_queue, args.drain_timeout, args.access_log, "info" if args.verbose else "warning")
     return serve(options, **engine_options)
 
 

@@ -6,6 +6,7 @@ the official `openai` client.
   the in-process engine's, streamed and not, completions and chat;
 - a bounded load of 60 requests during which one engine replica's actor is killed loses none (each completes, or
   gets a retryable error and its one retry completes, with the engine's text), and Serve replaces the replica;
+- autoscaling on ongoing requests: a second replica under load, back to one after it;
 - 4 groups of 4 chat requests, each group sharing a 256-token system prompt, over 2 replicas: the prefix-aware
   router reaches a higher aggregate prefix-cache hit rate than Serve's default router (both printed); the
   prefix-aware app gets its artifact from an http:// URI, copied once into the node's cache.
@@ -28,6 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fxllm
+from fxllm.runtime.request import SamplingParams
 from tests.conftest import PROMPTS
 from tests.serving.conftest import ray_processes, wait_until
 
@@ -63,9 +65,9 @@ def cluster(tmp_path_factory):
 
 
 def deploy(artifact, **options):
-    """Replace the running application with a fresh one (cold replicas)."""
+    """Replace the running application with a fresh one (cold replicas; 2 unless options say otherwise)."""
     serve.delete("fxllm")
-    serve.run(build_app(str(artifact), served_model_name=MODEL, replicas=2, **options), name="fxllm",
+    serve.run(build_app(str(artifact), served_model_name=MODEL, **{"replicas": 2, **options}), name="fxllm",
               route_prefix="/", logging_config=LOGGING)
 
 
@@ -130,14 +132,20 @@ def test_both_replicas_serve_greedy_equal_to_the_engine(two_replicas, engine):
           f"generated tokens per replica (from /metrics): {per_replica}")
 
 
+STREAMED_TOKENS = 160  # long enough that the stream is still being generated when its replica is killed
+
+
 def test_killing_a_replica_loses_no_request(two_replicas, engine):
-    """60 requests, 8 at a time, every other one streamed. Once 12 have completed, the replica serving the next
-    stream to start is killed (its actor, as a crash would) while that stream runs. Every request completes with the
-    engine's greedy text, at most after one retry of a retryable error (the cut stream gets one); Serve starts a
-    replacement replica."""
+    """60 requests, 8 at a time, every other one streamed (160 tokens, ignoring EOS). Once 12 have completed, the
+    replica serving the next stream to start is killed (its actor, as a crash would) at that stream's first chunk.
+    Every request completes with the engine's greedy text, at most after one retry of a retryable error (the cut
+    stream gets one); Serve starts a replacement replica."""
     root = two_replicas
     prompts = [f"Request {i}: {PROMPTS[i % len(PROMPTS)]}" for i in range(60)]
+    long = SamplingParams(max_tokens=STREAMED_TOKENS, ignore_eos=True)
     expected = [r.text for r in engine.generate(prompts, max_new_tokens=48)]
+    for i in range(1, 60, 2):
+        expected[i] = "".join(out.text_delta for out in engine.stream_outputs(engine.encode(prompts[i]), long))
     before = engine_replica_actors()
     assert len(before) == 2
     done, retried, killed = [], [], []
@@ -153,12 +161,13 @@ def test_killing_a_replica_loses_no_request(two_replicas, engine):
                 try:
                     if i % 2:
                         raw = await client.completions.with_raw_response.create(
-                            model=MODEL, prompt=prompts[i], max_tokens=48, temperature=0, stream=True)
+                            model=MODEL, prompt=prompts[i], max_tokens=STREAMED_TOKENS, temperature=0, stream=True,
+                            extra_body={"ignore_eos": True})
                         pieces = []
                         async for chunk in raw.parse():
-                            pieces.append(chunk.choices[0].text)
                             if len(done) >= 12 and not killed:
                                 kill(raw.headers["x-fxllm-replica"])
+                            pieces.append(chunk.choices[0].text)
                         text = "".join(pieces)
                     else:
                         response = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=48,
@@ -193,6 +202,52 @@ def test_killing_a_replica_loses_no_request(two_replicas, engine):
     client = openai.OpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0, timeout=120)
     assert client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=48,
                                      temperature=0).choices[0].text == expected[0]
+
+
+def engine_replicas_running() -> int:
+    status = serve.status().applications["fxllm"].deployments["FxllmEngine"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_autoscaling_follows_ongoing_requests(cluster, long_context_artifact):
+    """autoscale (1, 2) with a target of 1 ongoing request per replica (and Serve's delays shortened): 4 streams at
+    a time bring a second replica up; once they stop, it goes away again. The load is bounded (90 s at most)."""
+    root = cluster[0]
+    deploy(long_context_artifact, autoscale=(1, 2), target_ongoing_requests=1,
+           autoscaling_options={"upscale_delay_s": 0.5, "downscale_delay_s": 2.0, "metrics_interval_s": 0.5,
+                                "look_back_period_s": 1.0})
+    assert engine_replicas_running() == 1
+    stop, served_by, failures = threading.Event(), set(), []
+
+    async def load():
+        async with openai.AsyncOpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            async def stream(i: int):
+                while not stop.is_set():
+                    raw = await client.completions.with_raw_response.create(
+                        model=MODEL, prompt=PROMPTS[i], max_tokens=200, temperature=0, stream=True,
+                        extra_body={"ignore_eos": True})
+                    served_by.add(raw.headers["x-fxllm-replica"])
+                    async for _ in raw.parse():
+                        pass
+
+            try:
+                await asyncio.gather(*[stream(i) for i in range(4)])
+            except Exception as exc:
+                failures.append(exc)
+                stop.set()
+
+    loader = threading.Thread(target=asyncio.run, args=(load(),))
+    loader.start()
+    try:
+        scaled_up = wait_until(lambda: stop.is_set() or (engine_replicas_running() == 2 and len(served_by) == 2),
+                               timeout=90, interval=0.5)
+    finally:
+        stop.set()
+        loader.join()
+    assert not failures and scaled_up, (failures, serve.status().applications["fxllm"].deployments["FxllmEngine"],
+                                        served_by)
+    assert wait_until(lambda: engine_replicas_running() == 1 and len(engine_replica_actors()) == 1, timeout=60,
+                      interval=0.5), serve.status().applications["fxllm"].deployments["FxllmEngine"]
 
 
 @pytest.fixture

@@ -1,9 +1,10 @@
 """`fxllm serve ARTIFACT --ray` as a user runs it: a cluster of this machine is started, the app answers the
-official client, SIGTERM drains it and exits 0 with no Ray process left; bad input (`--ray` without the extra, an
+official client, SIGTERM drains it (a running stream completes) and exits 0 with no Ray process left; bad input (`--ray` without the extra, an
 unreachable `--ray-address`, `--replicas 0`, ...) is one line on stderr, exit 1, nothing started."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 
@@ -29,6 +30,13 @@ def test_cli_serves_on_a_local_cluster_and_stops_it(long_context_artifact, tmp_p
         assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens > 0
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=process.url, api_key="wrong", max_retries=0).models.list()
+        stream = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=600, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        process.proc.send_signal(signal.SIGTERM)  # drain: the running stream still completes
+        rest = list(stream)
+        assert len(rest) >= 1 and rest[-1].choices[0].finish_reason == "length"
+        assert len(first.choices[0].text + "".join(c.choices[0].text for c in rest)) > 0
     finally:
         status = process.terminate(timeout=120)
     assert status == 0, process.log.read_text()
@@ -73,3 +81,23 @@ def test_ray_without_the_extra_names_it(long_context_artifact, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert "pip install 'fxllm[ray]'" in lines[0] and "missing ray" in lines[0]
+
+
+def test_a_replica_that_cannot_start_stops_everything(long_context_artifact, tmp_path):
+    """A corrupt weights file (one byte changed; the manifest itself is fine): the replicas refuse it at load, and
+    the command stops with one line, exit 1, leaving no Ray process."""
+    import shutil
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(long_context_artifact, corrupt)
+    data = corrupt / "model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    data.write_bytes(bytes(raw))
+    before = ray_processes()
+    proc = subprocess.run([FXLLM, "serve", str(corrupt), "--ray", "--port", "0"], capture_output=True, text=True,
+                          timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert len(lines) == 1 and "failed to start" in lines[0] and "checksum" in lines[0], proc.stderr
+    assert wait_until(lambda: not (ray_processes() - before), timeout=30)

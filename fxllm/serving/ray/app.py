@@ -33,9 +33,11 @@ def build_app(artifact: str, *, served_model_name: str | None = None, api_key: s
               replicas: int = 1, autoscale: tuple[int, int] | None = None,
               target_ongoing_requests: float | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
               router: str = "default", max_queue: int | None = 256, drain_timeout: float = 30.0,
-              health_check_period: float = 10.0, stall_timeout: float = 60.0, **engine_options):
+              health_check_period: float = 10.0, stall_timeout: float = 60.0, autoscaling_options: dict | None = None,
+              **engine_options):
     """The Ray Serve application (an `Application` for serve.run). `artifact`: a path every node can read or a URI
-    (see artifacts.py); `engine_options` go to fxllm.load in each replica (`threads` defaults to `replica_cpus`).
+    (see artifacts.py); `engine_options` go to fxllm.load in each replica (`threads` defaults to `replica_cpus`);
+    `autoscaling_options` are more fields of Serve's AutoscalingConfig (e.g. upscale_delay_s, downscale_delay_s).
     Raises FxllmError (one line) for a bad option; nothing starts until the application is run."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -55,7 +57,8 @@ def build_app(artifact: str, *, served_model_name: str | None = None, api_key: s
     scaling = ({"num_replicas": replicas} if autoscale is None else
                {"autoscaling_config": {"min_replicas": autoscale[0], "max_replicas": autoscale[1],
                                        "initial_replicas": max(autoscale[0], 1),
-                                       "target_ongoing_requests": target_ongoing_requests or max_batch}})
+                                       "target_ongoing_requests": target_ongoing_requests or max_batch,
+                                       **(autoscaling_options or {})}})
     routing = {}
     if router == "prefix":
         from fxllm.serving.ray.router import PrefixAwareRouter
@@ -67,7 +70,8 @@ def build_app(artifact: str, *, served_model_name: str | None = None, api_key: s
         max_ongoing_requests=max_batch + (max_queue if max_queue is not None else 4 * max_batch),
         max_queued_requests=-1 if max_queue is None else max_queue, graceful_shutdown_timeout_s=drain_timeout,
         graceful_shutdown_wait_loop_s=0.5, health_check_period_s=health_check_period,
-        health_check_timeout_s=max(30.0, health_check_period), **scaling, **routing)
+        health_check_timeout_s=max(30.0, health_check_period), max_constructor_retry_count=3, **scaling,
+        **routing)
     board = serve.deployment(MetricsBoard, name="FxllmMetrics", num_replicas=1, ray_actor_options={"num_cpus": 0})
     ingress = serve.deployment(serve.ingress()(Ingress), name="FxllmIngress", num_replicas=1,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000,

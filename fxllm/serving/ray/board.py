@@ -26,11 +26,6 @@ class MetricsBoard:
     def forget(self, replica: str) -> None:
         self.reports.pop(replica, None)
 
-    def replicas(self) -> list[str]:
-        """The replicas reporting now."""
-        self._drop_stale()
-        return sorted(self.reports)
-
     def render(self) -> tuple[bytes, str]:
         """Every live replica's families as one exposition text, and its content type."""
         self._drop_stale()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -24,6 +25,7 @@ from pathlib import Path
 from fxllm.errors import FxllmError, MissingDependencyError
 from fxllm.serving.ray.app import artifact_name, build_app, check_options, parse_autoscale
 from fxllm.serving.ray.artifacts import is_uri
+from fxllm.serving.server import ServeOptions
 
 logger = logging.getLogger("fxllm.serving")
 APP_NAME = "fxllm"
@@ -33,15 +35,7 @@ LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
 
 @dataclass
 class RayServeOptions:
-    artifact: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    api_key: str | None = None
-    max_queue: int | None = 256
-    drain_timeout: float = 30.0
-    access_log: bool = False
-    verbose: bool = False
+    server: ServeOptions  # what plain `fxllm serve` takes: host, port, names, API key, queue, drain, logging
     replicas: int | None = None  # None: 1, or autoscaled
     autoscale: str | None = None  # "MIN:MAX"
     ray_address: str | None = None
@@ -63,27 +57,28 @@ def require_ray() -> None:
 
 def serve_on_ray(options: RayServeOptions, **engine_options) -> int:
     """Run until SIGTERM (returns 0) or Ctrl-C (KeyboardInterrupt, after the same shutdown)."""
+    server = options.server
     if options.replicas is not None and options.autoscale is not None:
         raise FxllmError("give either --replicas or --autoscale, not both")
     autoscale = parse_autoscale(options.autoscale) if options.autoscale is not None else None
     replicas = 1 if options.replicas is None else options.replicas
-    check_options(replicas, autoscale, options.replica_cpus, options.replica_gpus, options.router,
-                  options.max_queue, options.drain_timeout)
-    if not 0 <= options.port <= 65535:
-        raise FxllmError(f"--port must be between 0 and 65535, got {options.port}")
+    check_options(replicas, autoscale, options.replica_cpus, options.replica_gpus, options.router, server.max_queue,
+                  server.drain_timeout)
+    if not 0 <= server.port <= 65535:
+        raise FxllmError(f"--port must be between 0 and 65535, got {server.port}")
     require_ray()
     local = options.ray_address is None
-    if not is_uri(options.artifact) and (local or Path(options.artifact).exists()):
+    if not is_uri(server.artifact) and (local or Path(server.artifact).exists()):
         from fxllm.runtime.manifest import load_manifest
 
-        load_manifest(options.artifact, verify=False)  # a bad path is one line now; replicas verify checksums
+        load_manifest(server.artifact, verify=False)  # a bad path is one line now; replicas verify checksums
     if not local:
         check_reachable(options.ray_address)
-    port = free_port(options.host, options.port) if local else (options.port or 8000)
-    app = build_app(options.artifact, served_model_name=options.served_model_name, api_key=options.api_key,
+    port = free_port(server.host, server.port) if local else (server.port or 8000)
+    app = build_app(server.artifact, served_model_name=server.served_model_name, api_key=server.api_key,
                     replicas=replicas, autoscale=autoscale, replica_cpus=options.replica_cpus,
-                    replica_gpus=options.replica_gpus, router=options.router, max_queue=options.max_queue,
-                    drain_timeout=options.drain_timeout, **engine_options)
+                    replica_gpus=options.replica_gpus, router=options.router, max_queue=server.max_queue,
+                    drain_timeout=server.drain_timeout, **engine_options)
     stop, received = threading.Event(), []
 
     def on_signal(signum, frame) -> None:
@@ -92,7 +87,7 @@ def serve_on_ray(options: RayServeOptions, **engine_options) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with _RaySession(options.ray_address, options.verbose) as (_, serve):
+        with _RaySession(options.ray_address, verbose=server.log_level == "info") as serve:
             for sig in previous:  # again: ray.init puts its own SIGTERM handler in place (it aborts the process)
                 signal.signal(sig, on_signal)
             if not stop.is_set():
@@ -106,15 +101,17 @@ def serve_on_ray(options: RayServeOptions, **engine_options) -> int:
 
 
 def _run(serve, app, options: RayServeOptions, port: int, stop: threading.Event) -> None:
-    serve.start(http_options={"host": options.host, "port": port})
-    logging_config = {**LOGGING, "enable_access_log": options.access_log}
+    server = options.server
+    serve.start(http_options={"host": server.host, "port": port})
     try:
         try:
-            serve.run(app, name=APP_NAME, route_prefix="/", logging_config=logging_config)
-        except Exception as exc:  # a replica failed to start: Serve's message is a traceback; keep its last line
-            raise FxllmError(f"the Ray Serve application failed to start: {_last_line(exc)}") from None
-        shown = f"[{options.host}]" if ":" in options.host else options.host
-        name = options.served_model_name or artifact_name(options.artifact)
+            serve.run(app, name=APP_NAME, route_prefix="/",
+                      logging_config={**LOGGING, "enable_access_log": server.access_log})
+        except Exception as exc:  # a replica failed to start: its traceback is in the deployment's status message
+            raise FxllmError(f"the Ray Serve application failed to start: {_cause(exc, _status_messages(serve))}") \
+                from None
+        shown = f"[{server.host}]" if ":" in server.host else server.host
+        name = server.served_model_name or artifact_name(server.artifact)
         scaling = f"autoscaled {options.autoscale}" if options.autoscale else f"{options.replicas or 1} replicas"
         print(f"fxllm: serving '{name}' on Ray Serve ({scaling}, {options.router} routing) at "
               f"http://{shown}:{port}/v1 (OpenAI API; SIGTERM or Ctrl-C stops)", flush=True)
@@ -136,10 +133,12 @@ class _RaySession:
         import ray
         from ray import serve
 
-        self.ray, self.serve = ray, serve
+        self.serve = serve
+        if not self.verbose:  # Serve logs its progress at INFO on this process's stderr
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
         try:
             ray.init(address=self.address or "local", include_dashboard=False if self.address is None else None,
-                     log_to_driver=self.verbose, logging_level=logging.INFO if self.verbose else logging.WARNING)
+                     log_to_driver=self.verbose, logging_level=logging.INFO if self.verbose else logging.ERROR)
         except (ConnectionError, ValueError, RuntimeError) as exc:
             self._shutdown_ray()
             raise FxllmError(f"cannot connect to the Ray cluster at {self.address or 'this machine'}: "
@@ -147,7 +146,7 @@ class _RaySession:
         except BaseException:
             self._shutdown_ray()
             raise
-        return ray, serve
+        return serve
 
     def __exit__(self, *exc_info) -> None:
         try:
@@ -189,6 +188,31 @@ def free_port(host: str, port: int) -> int:
             return probe.getsockname()[1]
     except OSError as exc:
         raise FxllmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _status_messages(serve) -> str:
+    try:
+        application = serve.status().applications.get(APP_NAME)
+    except Exception:  # Serve itself is in trouble: the exception's own message is all there is
+        return ""
+    if application is None:
+        return ""
+    return "\n".join([application.message, *(d.message for d in application.deployments.values())])
+
+
+def _cause(exc: BaseException, details: str = "") -> str:
+    """The error that a replica's traceback (in `details` or the exception's message) ends with: an fxllm error's
+    message as it is, anything else as `Type: message`; else the exception's last line."""
+    raised = [match for match in _RAISED.finditer(f"{exc}\n{details}")]
+    ours = [m for m in raised if m.group(1).startswith("fxllm.")]
+    if ours:
+        return ours[-1].group(3).strip()
+    if raised:
+        return f"{raised[-1].group(2)}: {raised[-1].group(3).strip()}"
+    return _last_line(exc)
+
+
+_RAISED = re.compile(r"^\s*((?:[\w]+\.)*(\w+(?:Error|Exception))): (.+)$", re.MULTILINE)
 
 
 def _last_line(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ board's merge of every replica's metrics; `/health` asks one engine replica.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -27,6 +28,7 @@ from fxllm.serving.streaming import DONE, error_event
 
 logger = logging.getLogger("fxllm.serving")
 REPLICA_HEADER = "x-fxllm-replica"
+HEALTH_TIMEOUT = 5.0
 
 
 def _replica_errors() -> tuple[type[BaseException], ...]:
@@ -53,10 +55,11 @@ class RemoteModel:
         return ModelCard(id=name, created=self._info["created"], max_model_len=self._info["max_context"])
 
     async def health(self) -> str:
+        """One engine replica's status, or "unavailable" when none answers within HEALTH_TIMEOUT seconds."""
         try:
-            return await self.engine.status.remote()
-        except _replica_errors():
-            return "shutting down"
+            return await asyncio.wait_for(self.engine.status.remote(), HEALTH_TIMEOUT)
+        except (asyncio.TimeoutError, *_replica_errors()):
+            return "unavailable"
 
     async def render_metrics(self) -> tuple[bytes, str]:
         return await self.board.render.remote()
