@@ -11,11 +11,12 @@ text prompt of 16-160 tokens (mixed lengths, drawn once with --seed) asking for 
 - with --ray: `fxllm serve --ray --replicas R` (a Ray cluster of this machine, started and stopped by the server)
   for each R of --replicas, each replica reserving cpus/R CPUs (its intra-op threads), the same clients over HTTP.
 
-http and in-process alternate (http, in-process, in-process, http, ...) for --reps repetitions per level; then each
-Ray server runs every level (starting one takes ~30 s, so they are not interleaved: compare them with the plain
-rows knowing the machine's load may have moved). A row reports the median output tokens/s over its repetitions and
+All servers are started first and stay up; at each level the systems take turns for --reps repetitions, the order
+rotating between repetitions (so a change in the machine's load hits them alike; an idle Ray cluster costs a few
+percent of a core, which the others pay while it waits). A row reports the median output tokens/s over its repetitions and
 latency percentiles over all its requests: time to first token (request sent → first text) and inter-token latency
-(gaps between a request's text events, one token each); for the servers also the mean time to first token the
+(gaps between a request's text events, one token each; a Ray replica sends the events that are ready together, so
+several can arrive at once); for the servers the mean time to first token as the client saw it next to the one the
 server itself measured (its fxllm_time_to_first_token_seconds histogram: admission → first token), which separates
 queueing in the engine from the cost of getting the text to the client. Errors (a non-200 answer, an error event, a
 broken stream, fewer tokens than asked) must be 0. The load average is printed at the start and the end.
@@ -95,6 +96,11 @@ class Row:
     @property
     def errors(self) -> int:
         return sum(r.errors for r in self.runs)
+
+    @property
+    def mean_ttft_ms(self) -> float:
+        values = [v for r in self.runs for v in r.ttft]
+        return statistics.mean(values) * 1e3 if values else float("nan")
 
     @property
     def server_ttft_ms(self) -> float:
@@ -272,50 +278,42 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if not engine.engine.paged:
         parser.error(f"{artifact} is not a paged artifact (compile it with --passes {PASSES})")
     engine.engine.generate("Hello", max_new_tokens=4)  # the same warm-up as each server's
-    server = Server(artifact, args.threads)
     replica_counts = [int(r) for r in args.replicas.split(",")] if args.ray else []
-    print(f"artifact {artifact}; server {server.url}; {os.cpu_count()} CPUs, threads {args.threads or 'all'}; "
-          f"{args.new_tokens} new tokens per request, prompts of {PROMPT_TOKENS[0]}-{PROMPT_TOKENS[1]} tokens; "
-          f"load average {load_average()}", flush=True)
-    rows, statuses = [], {}
-    workloads = {c: prompts_for(engine.engine, requests_at(c, args.quick), args.seed + c) for c in levels}
+    servers: dict[str, Server] = {}
+    statuses: dict[str, int] = {}
     try:
+        servers["http"] = Server(artifact, args.threads)
+        for replicas in replica_counts:  # each its own Ray cluster of this machine, all up for the whole run
+            cpus = (os.cpu_count() or 1) / replicas
+            servers[f"ray x{replicas}"] = Server(artifact, args.threads, ("--ray", "--replicas", str(replicas),
+                                                                          "--replica-cpus", f"{cpus:g}"))
+        print(f"artifact {artifact}; servers {', '.join(f'{k} {v.url}' for k, v in servers.items())}; "
+              f"{os.cpu_count()} CPUs, threads {args.threads or 'all'}; {args.new_tokens} new tokens per request, "
+              f"prompts of {PROMPT_TOKENS[0]}-{PROMPT_TOKENS[1]} tokens; load average {load_average()}", flush=True)
+        rows = []
         for clients in levels:
-            prompts = workloads[clients]
-            http, local = Row(clients, "http", len(prompts)), Row(clients, "in-process", len(prompts))
+            prompts = prompts_for(engine.engine, requests_at(clients, args.quick), args.seed + clients)
+            level_rows = [Row(clients, system, len(prompts)) for system in [*servers, "in-process"]]
             for rep in range(args.reps):
-                order = (http, local) if rep % 2 == 0 else (local, http)
-                for row in order:
-                    if row is http:
+                shift = rep % len(level_rows)  # rotate the order: each system runs first, second, ... in turn
+                for row in level_rows[shift:] + level_rows[:shift]:
+                    if row.system == "in-process":
+                        row.runs.append(asyncio.run(engine_level(engine, prompts, clients, args.new_tokens)))
+                    else:
+                        server = servers[row.system]
                         row.runs.append(measured(server, http_level(server.url, prompts, clients, args.new_tokens),
                                                  len(prompts)))
-                    else:
-                        row.runs.append(asyncio.run(engine_level(engine, prompts, clients, args.new_tokens)))
                     report(row, rep)
-            rows += [http, local]
+            rows += level_rows
     finally:
-        statuses["http"] = server.stop()
-    for replicas in replica_counts:
-        cpus = (os.cpu_count() or 1) / replicas
-        ray_server = Server(artifact, args.threads, ("--ray", "--replicas", str(replicas), "--replica-cpus",
-                                                     f"{cpus:g}"))
-        system = f"ray x{replicas}"
-        try:
-            for clients in levels:
-                row = Row(clients, system, len(workloads[clients]))
-                for rep in range(args.reps):
-                    level = http_level(ray_server.url, workloads[clients], clients, args.new_tokens)
-                    row.runs.append(measured(ray_server, level, len(workloads[clients])))
-                    report(row, rep)
-                rows.append(row)
-        finally:
-            statuses[system] = ray_server.stop()
+        for system, server in servers.items():
+            statuses[system] = server.stop()
     print(f"load average at the end {load_average()}")
     print_table(rows, levels, statuses)
     if args.json:
         Path(args.json).write_text(json.dumps([{"clients": r.clients, "system": r.system, "requests": r.requests,
                                                 "tokens_per_s": r.tokens_per_s, "errors": r.errors,
-                                                "server_ttft_mean_ms": r.server_ttft_ms,
+                                                "ttft_mean_ms": r.mean_ttft_ms, "server_ttft_mean_ms": r.server_ttft_ms,
                                                 **{f"{n}_p{q}_ms": r.percentile(n, q) for n in ("ttft", "itl")
                                                    for q in (50, 99)}} for r in rows], indent=2))
 
@@ -331,14 +329,14 @@ def load_average() -> str:
 
 def print_table(rows: list[Row], levels: list[int], statuses: dict[str, int]) -> None:
     print(f"\n{'clients':>7} {'system':<10} {'requests':>8} {'out tok/s':>9} {'vs engine':>9} {'TTFT p50':>9} "
-          f"{'TTFT p99':>9} {'srv TTFT':>9} {'ITL p50':>8} {'ITL p99':>8} {'errors':>6}")
+          f"{'TTFT p99':>9} {'TTFT mean':>9} {'srv mean':>9} {'ITL p50':>8} {'ITL p99':>8} {'errors':>6}")
     engine_rate = {r.clients: r.tokens_per_s for r in rows if r.system == "in-process"}
     for r in sorted(rows, key=lambda r: (r.clients, r.system != "http", r.system != "in-process", r.system)):
         known = r.system != "in-process" and r.server_ttft_ms == r.server_ttft_ms  # (nan: none observed)
         server = f"{r.server_ttft_ms:>7.0f}ms" if known else f"{'-':>9}"
         print(f"{r.clients:>7} {r.system:<10} {r.requests:>8} {r.tokens_per_s:>9.1f} "
               f"{r.tokens_per_s / engine_rate[r.clients]:>8.2f}x {r.percentile('ttft', 50):>7.0f}ms "
-              f"{r.percentile('ttft', 99):>7.0f}ms {server} {r.percentile('itl', 50):>6.0f}ms "
+              f"{r.percentile('ttft', 99):>7.0f}ms {r.mean_ttft_ms:>7.0f}ms {server} {r.percentile('itl', 50):>6.0f}ms "
               f"{r.percentile('itl', 99):>6.0f}ms {r.errors:>6}")
     rate = {(r.system, r.clients): r.tokens_per_s for r in rows}
     top, bottom = max(levels), min(levels)
