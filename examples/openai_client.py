@@ -4,6 +4,9 @@
         --passes cleanup,gqa,fuse-projections,select-logits,kv-cache,paged
     fxllm serve artifacts/smollm2-paged --api-key sk-local &      # prints the URL when ready
     python examples/openai_client.py --base-url http://127.0.0.1:8000/v1 --api-key sk-local
+
+The same works against `fxllm serve artifacts/smollm2-paged --ray --replicas 2 --api-key sk-local` (Ray Serve
+replicas behind one endpoint, docs/ray.md): the API is the same app's.
 """
 
 from __future__ import annotations

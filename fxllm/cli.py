@@ -134,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)")
     p.add_argument("--access-log", action="store_true", help="log every request")
+    ray = p.add_argument_group("Ray Serve (the `ray` extra; docs/ray.md)")
+    ray.add_argument("--ray", action="store_true", help="serve as a Ray Serve application: replicas that each own "
+                                                        "an engine, behind one OpenAI endpoint")
+    ray.add_argument("--replicas", type=int, help="engine replicas (default 1)")
+    ray.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale the replicas on ongoing requests instead")
+    ray.add_argument("--ray-address", help="join this cluster (HOST:PORT of its head, ray://HOST:PORT or auto) "
+                                           "instead of starting one on this machine")
+    ray.add_argument("--replica-cpus", type=float, default=1.0,
+                     help="CPUs each replica reserves (default 1; also its --threads default)")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica reserves (default 0)")
+    ray.add_argument("--router", choices=["default", "prefix"], default="default",
+                     help="how requests pick a replica: Serve's default, or prefix-aware (prompts sharing a prefix "
+                          "go to the replica that caches it)")
     return parser
 
 
@@ -284,13 +297,27 @@ def cmd_serve(args) -> int:
     from fxllm.extras import require_serving
 
     require_serving()
+    engine_options = dict(threads=args.threads, backend=args.backend, kv_cache_memory=args.kv_cache_memory,
+                          kv_blocks=args.kv_blocks, max_batch=args.max_batch, int8_activations=_activations(args),
+                          device=args.device, torch_compile=args.torch_compile)
+    ray_flags = [flag for flag, given in (("--replicas", args.replicas is not None), ("--autoscale", args.autoscale),
+                                          ("--ray-address", args.ray_address), ("--router", args.router != "default"),
+                                          ("--replica-cpus", args.replica_cpus != 1.0),
+                                          ("--replica-gpus", args.replica_gpus != 0.0)) if given]
     from fxllm.serving.server import ServeOptions, serve
 
     options = ServeOptions(args.artifact, args.host, args.port, args.served_model_name, args.api_key or None,
                            args.max_queue, args.drain_timeout, args.access_log, "info" if args.verbose else "warning")
-    return serve(options, threads=args.threads, backend=args.backend, kv_cache_memory=args.kv_cache_memory,
-                 kv_blocks=args.kv_blocks, max_batch=args.max_batch, int8_activations=_activations(args),
-                 device=args.device, torch_compile=args.torch_compile)
+    if args.ray:
+        from fxllm.serving.ray.cluster import RayServeOptions, serve_on_ray
+
+        if args.threads is None:
+            del engine_options["threads"]  # each replica's default: its --replica-cpus
+        return serve_on_ray(RayServeOptions(options, args.replicas, args.autoscale, args.ray_address,
+                                            args.replica_cpus, args.replica_gpus, args.router), **engine_options)
+    if ray_flags:
+        raise UsageError(f"{', '.join(ray_flags)} only apply with --ray")
+    return serve(options, **engine_options)
 
 
 COMMANDS = {"compile": cmd_compile, "generate": cmd_generate, "inspect": cmd_inspect, "eval": cmd_eval,

@@ -1,8 +1,13 @@
 """The FastAPI app of the OpenAI-compatible server. Routes get the served model from an injected provider, so
-whoever owns the engine — `fxllm serve` (server.py), or a Ray Serve deployment using this app as its ingress (one
-service per replica) — passes `lambda: its_service` and reuses every route, error mapping and guard.
+whoever serves — `fxllm serve` (server.py: an OpenAIService on its own engine), or the Ray Serve ingress (an
+object with the same methods that forwards to engine replicas, fxllm/serving/ray/) — passes `lambda: served` and
+reuses every route, error mapping and guard.
 
     app = create_app(lambda: service, api_key="secret")
+
+The served object has `model_names`, `check_model(name)`, `card(name)`, `health()`, `async render_metrics()`,
+`async completion(request)` and `async chat_completion(request)` (a response model or a streaming response). A
+non-streamed request whose client disconnects is cancelled, which aborts its engine requests.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model}, GET /health,
 GET /metrics. /v1/ routes need the API key when one is set; /health and /metrics do not.
@@ -10,19 +15,17 @@ GET /metrics. /v1/ routes need the API key when one is set; /health and /metrics
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from fxllm import __version__
-from fxllm.serving.chat import create_chat_completion
-from fxllm.serving.completions import create_completion
 from fxllm.serving.errors import install_error_handlers
 from fxllm.serving.middleware import APIKeyGuard, BodySizeLimit
 from fxllm.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, Health, ModelCard, ModelList)
-from fxllm.serving.service import OpenAIService
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -36,7 +39,7 @@ _STREAMED = {200: {"content": {"text/event-stream": {"schema": _EVENT}},
                    "description": "the response, or its chunks as server-sent events with stream=true"}}
 
 
-def create_app(get_service: Callable[[], OpenAIService], api_key: str | None = None,
+def create_app(get_service: Callable[[], object], api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The app. `get_service()` is called on every request; `api_key` guards the /v1/ routes."""
     app = FastAPI(title="fxllm", version=__version__, description="OpenAI-compatible API of an fxllm artifact")
@@ -45,40 +48,59 @@ def create_app(get_service: Callable[[], OpenAIService], api_key: str | None = N
     if api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=api_key)
 
-    def service() -> OpenAIService:
+    def service():
         return get_service()
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_STREAMED})
-    async def completions(request: CompletionRequest, served: OpenAIService = Depends(service)):
-        return await create_completion(served, request)
+    async def completions(request: CompletionRequest, raw: Request, served=Depends(service)):
+        return await until_disconnected(raw, served.completion(request))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, **_STREAMED})
-    async def chat_completions(request: ChatCompletionRequest, served: OpenAIService = Depends(service)):
-        return await create_chat_completion(served, request)
+    async def chat_completions(request: ChatCompletionRequest, raw: Request, served=Depends(service)):
+        return await until_disconnected(raw, served.chat_completion(request))
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
-    async def list_models(served: OpenAIService = Depends(service)) -> ModelList:
-        return ModelList(data=[_card(served, name) for name in served.config.model_names])
+    async def list_models(served=Depends(service)) -> ModelList:
+        return ModelList(data=[await served.card(name) for name in served.model_names])
 
     @app.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS)
-    async def get_model(model: str, served: OpenAIService = Depends(service)) -> ModelCard:
+    async def get_model(model: str, served=Depends(service)) -> ModelCard:
         served.check_model(model)
-        return _card(served, model)
+        return await served.card(model)
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
-    async def health(served: OpenAIService = Depends(service)):
-        status = served.health()
+    async def health(served=Depends(service)):
+        status = await served.health()
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text format"}})
-    async def metrics(served: OpenAIService = Depends(service)) -> Response:
-        body, content_type = served.metrics.render()
+    async def metrics(served=Depends(service)) -> Response:
+        body, content_type = await served.render_metrics()
         return Response(body, media_type=content_type)
 
     return app
 
 
-def _card(service: OpenAIService, name: str) -> ModelCard:
-    return ModelCard(id=name, created=service.created, max_model_len=service.max_context)
+async def until_disconnected(request: Request, work: Awaitable):
+    """The result of `work`, unless the client disconnects first: then `work` is cancelled (a non-streamed
+    generation's engine requests are aborted at once) and nobody reads the empty answer. A streaming response is
+    returned as soon as its run has started; from then on it watches the connection itself."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    return Response(status_code=499)  # the client has gone (nginx's "client closed request")
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has disconnected (the body has been read by then: only a disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fxllm.serving.errors import APIError
-from fxllm.serving.logprobs import (TokenTexts, completion_logprobs, end_offset, first_prompt_position,
-                                    merge)
+from fxllm.serving.logprobs import TokenTexts, completion_logprobs, end_offset, extend, first_prompt_position
 from fxllm.serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from fxllm.serving.run import GenerationRun
 from fxllm.serving.sampling import check_supported, choices_per_prompt, max_new_tokens, sampling_params
@@ -31,7 +30,7 @@ class Prompt:
 @dataclass
 class _ChoiceState:
     text: list[str] = field(default_factory=list)
-    logprobs: CompletionLogprobs | None = None
+    logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)  # all positions so far
     offset: int = 0  # characters of the choice's text so far (logprobs' text_offset)
     started: bool = False
     finish_reason: str | None = None
@@ -88,16 +87,16 @@ class CompletionWriter:
                 text = prompt.text + text
                 if self.request.logprobs is not None and output.prompt_logprobs is not None:
                     first = first_prompt_position(self.texts, prompt.token_ids[0])
-                    logprobs = merge(first, completion_logprobs(self.texts, output.prompt_logprobs[1:],
-                                                                end_offset(first)))
+                    logprobs = extend(first, completion_logprobs(self.texts, output.prompt_logprobs[1:],
+                                                                 end_offset(first)))
                 state.offset = len(prompt.text)
         if output.logprobs is not None:
             generated = completion_logprobs(self.texts, output.logprobs, state.offset)
             state.offset = end_offset(generated) if generated.tokens else state.offset
-            logprobs = generated if logprobs is None else merge(logprobs, generated)
+            logprobs = generated if logprobs is None else extend(logprobs, generated)
         state.text.append(text)
         if logprobs is not None:
-            state.logprobs = logprobs if state.logprobs is None else merge(state.logprobs, logprobs)
+            extend(state.logprobs, logprobs)
         if output.finished:
             state.finish_reason, state.output_tokens = output.finish_reason, output.num_output_tokens
         return text, logprobs

@@ -117,7 +117,22 @@ async def _fxllm_error(request: Request, exc: FxllmError) -> JSONResponse:
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, f"internal server error: {type(exc).__name__} (details are in the server log)").response()
+    return internal_error(exc).response()
+
+
+def as_api_error(exc: Exception) -> APIError:
+    """Any exception as the APIError the handlers answer it with (a bug is logged here, with its traceback)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, FxllmError):
+        return bad_request(exc)
+    logger.error("internal error", exc_info=exc)
+    return internal_error(exc)
+
+
+def internal_error(exc: Exception) -> APIError:
+    """A bug (any exception that is not an APIError or FxllmError) as a 500 with a one-line message."""
+    return APIError(500, f"internal server error: {type(exc).__name__} (details are in the server log)")
 
 
 def _one_line(message: str) -> str:

@@ -54,10 +54,13 @@ def first_prompt_position(texts: TokenTexts, token_id: int) -> CompletionLogprob
     return CompletionLogprobs(tokens=[token], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
 
 
-def merge(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs +
-                              b.token_logprobs, tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs +
-                              b.top_logprobs)
+def extend(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    """Append b's positions to a, in place (amortized O(len(b))); returns a."""
+    a.text_offset.extend(b.text_offset)
+    a.token_logprobs.extend(b.token_logprobs)
+    a.tokens.extend(b.tokens)
+    a.top_logprobs.extend(b.top_logprobs)
+    return a
 
 
 def end_offset(logprobs: CompletionLogprobs) -> int:

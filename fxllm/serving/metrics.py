@@ -40,6 +40,7 @@ class ServingMetrics:
                  registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.labels = dict(labels or {})
+        self.error_streak = 0  # engine requests failed in a row (model calls), since the last one that finished
         self.registry.register(_EngineCollector(stats, self.labels))
         names = list(self.labels)
         self._ttft = Histogram("fxllm_time_to_first_token_seconds", "Time from arrival to the first token",
@@ -59,6 +60,10 @@ class ServingMetrics:
 
     def finished(self, finish_reason: str) -> None:
         self._finished.labels(**self.labels, finish_reason=finish_reason).inc()
+        if finish_reason == "error":
+            self.error_streak += 1
+        elif finish_reason in ("stop", "length"):
+            self.error_streak = 0
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

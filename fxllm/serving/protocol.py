@@ -161,7 +161,7 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "shutting down"]
+    status: Literal["ok", "shutting down", "unavailable"]  # unavailable: no engine replica answers (Ray Serve)
 
 
 class ErrorInfo(BaseModel):

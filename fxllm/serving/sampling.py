@@ -17,12 +17,14 @@ from fxllm.serving.service import MAX_CHOICES
 
 def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse (400, naming the field) the reference's fields that fxllm does not implement, unless at their
-    defaults."""
+    defaults, and `stream_options` without `stream` (as OpenAI does)."""
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(request, name) not in (None, 0):
             raise APIError(400, f"{name} is not supported by fxllm; leave it at 0", param=name)
     if request.logit_bias:
         raise APIError(400, "logit_bias is not supported by fxllm", param="logit_bias")
+    if request.stream_options is not None and not request.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if isinstance(request, CompletionRequest):
         if request.suffix:
             raise APIError(400, "suffix is not supported by fxllm", param="suffix")

@@ -2,9 +2,10 @@
 
 The socket is bound first (a port in use is a one-line error before a long load), then the engine is loaded (a bad
 artifact or option is a one-line error; connections made meanwhile wait in the listen backlog), then uvicorn serves
-the app; the URL is printed on stdout once requests are accepted. SIGTERM (or Ctrl-C) stops accepting connections,
-lets running requests finish for up to `drain_timeout` seconds, aborts what is left, and returns 0 (Ctrl-C: the
-CLI's 130).
+the app; the URL is printed on stdout once requests are accepted. SIGTERM (or Ctrl-C) at once turns the service
+off (a request still arriving on an open connection gets 503, /health says "shutting down"), stops accepting
+connections, lets running requests finish for up to `drain_timeout` seconds, aborts what is left, and returns 0
+(Ctrl-C: the CLI's 130).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def serve(options: ServeOptions, **engine_options) -> int:
         raise
     service = OpenAIService(AsyncEngine(engine), config)
     app = create_app(lambda: service, api_key=options.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log,
-                                           lifespan="off", timeout_graceful_shutdown=options.drain_timeout))
+    server = _draining_server(service, uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log,
+                                                      lifespan="off", timeout_graceful_shutdown=options.drain_timeout))
     # uvicorn re-raises the signal that stopped it once it has drained; with this handler in place beforehand, a
     # SIGTERM then ends the process normally (exit 0) instead of killing it.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -67,6 +68,18 @@ def serve(options: ServeOptions, **engine_options) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _draining_server(service, config):
+    """A uvicorn.Server whose exit signal first stops the service accepting requests (before uvicorn drains)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            service.stop_accepting()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
 
 
 async def _run(server, service, sock: socket.socket, name: str) -> None:

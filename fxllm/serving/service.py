@@ -18,6 +18,7 @@ from fxllm.runtime.request import SamplingParams
 from fxllm.serving.errors import APIError, bad_request
 from fxllm.serving.logprobs import TokenTexts
 from fxllm.serving.metrics import ServingMetrics
+from fxllm.serving.protocol import ModelCard
 from fxllm.serving.run import GenerationRun
 
 MAX_CHOICES = 128  # most choices (`n`) per request, as the OpenAI API allows
@@ -48,6 +49,13 @@ class Choice:
     params: SamplingParams
 
 
+def check_model_name(served: tuple[str, ...], name: str) -> None:
+    """404 unless `name` is one of the served names."""
+    if name not in served:
+        raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in served)}", param="model", code="model_not_found")
+
+
 class OpenAIService:
     def __init__(self, engine: AsyncEngine, config: ServingConfig, metric_labels: dict[str, str] | None = None):
         self.engine = engine
@@ -66,20 +74,43 @@ class OpenAIService:
     def model_id(self) -> str:
         return self.config.model_names[0]
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.config.model_names
+
+    # -- what the routes call (app.py) --------------------------------------------------------------------------------
+
+    async def completion(self, request):
+        from fxllm.serving.completions import create_completion  # (those modules build on this one)
+
+        return await create_completion(self, request)
+
+    async def chat_completion(self, request):
+        from fxllm.serving.chat import create_chat_completion
+
+        return await create_chat_completion(self, request)
+
+    async def card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created, max_model_len=self.max_context)
+
+    async def health(self) -> str:
+        return "ok" if self.engine.accepting else "shutting down"
+
+    async def render_metrics(self) -> tuple[bytes, str]:
+        return self.metrics.render()
+
     # -- checks -------------------------------------------------------------------------------------------------------
 
     def check_model(self, name: str) -> None:
-        if name not in self.config.model_names:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                                f"{', '.join(repr(n) for n in self.config.model_names)}", param="model",
-                           code="model_not_found")
+        check_model_name(self.config.model_names, name)
 
     def check_accepting(self) -> None:
         if not self.engine.accepting:
             raise APIError(503, "the server is shutting down and accepts no new requests")
 
-    def health(self) -> str:
-        return "ok" if self.engine.accepting else "shutting down"
+    def stop_accepting(self) -> None:
+        """From now on new requests get 503 and /health says "shutting down"; running requests go on."""
+        self.engine.driver.accepting = False
 
     def check_choice(self, choice: Choice) -> None:
         """The engine core's own checks of a request (400 with its one-line message, `param` from an

@@ -4,12 +4,15 @@ event if the generation fails midway (the status line has been sent by then), an
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from fxllm.serving.errors import APIError
+from fxllm.serving.errors import APIError, internal_error
+
+logger = logging.getLogger("fxllm.serving")
 
 DONE = "data: [DONE]\n\n"
 
@@ -53,10 +56,14 @@ async def respond(writer, run, stream: bool):
 
 
 async def with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The chunks, then [DONE]; an APIError midway becomes an error event before [DONE]."""
+    """The chunks, then [DONE]; a failure midway becomes an error event before [DONE]: an APIError as itself, any
+    other exception (a bug) as a 500 with a one-line message (the server log has the traceback)."""
     try:
         async for chunk in chunks:
             yield chunk
     except APIError as exc:
         yield error_event(exc)
+    except Exception as exc:
+        logger.error("internal error while streaming a response", exc_info=exc)
+        yield error_event(internal_error(exc))
     yield DONE

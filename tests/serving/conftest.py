@@ -108,3 +108,44 @@ def server(serve_artifact, tmp_path_factory):
                             env={**os.environ, "FXLLM_API_KEY": ""})
     yield process
     assert process.terminate() == 0, process.log.read_text()
+
+
+LONG_CONTEXT_PASSES = "cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size=16"
+
+
+@pytest.fixture(scope="session")
+def long_context_artifact(tmp_path_factory, tokenizer) -> Path:
+    """The tiny Llama with a 1024-token context (room for 256-token system prompts), paged in blocks of 16: what
+    the Ray Serve tests serve."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("llama")
+    config.max_position_embeddings = 1024
+    model_dir = tmp_path_factory.mktemp("tiny-llama-1024")
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    output = tmp_path_factory.mktemp("artifact-llama-1024") / "artifact"
+    fxllm.compile(model_dir, output, passes=LONG_CONTEXT_PASSES)
+    return output
+
+
+def ray_processes() -> set[int]:
+    """PIDs of this user's Ray processes (GCS, raylet, workers, agents), from /proc."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"ray/core/src/ray" in command or command.startswith(b"ray::") or b"ray/dashboard/agent.py" in command \
+                or b"ray/_private/workers/default_worker.py" in command or b"runtime_env/agent/main.py" in command:
+            pids.add(int(entry.name))
+    return pids

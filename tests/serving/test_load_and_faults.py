@@ -5,6 +5,7 @@ accepting, drain running requests within the timeout, exit 0)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import time
@@ -108,6 +109,28 @@ def test_disconnects_abort_and_free_everything(server, engine):
     assert abs(rss[-1] - rss[WARM_UP_ROUNDS]) < RSS_TOLERANCE, [r >> 10 for r in rss]
 
 
+def test_non_streamed_disconnect_aborts(server):
+    """A non-streamed request whose client goes away while it generates is aborted (counted as an abort, not
+    finished) and its KV blocks are freed at once."""
+    assert wait_until(lambda: idle(server))
+    before = server.metrics()
+    host, port = server.root.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + body)
+        assert wait_until(lambda: server.metrics()["fxllm_kv_blocks_used"] > 0, timeout=10)
+    closed = time.monotonic()
+    assert wait_until(lambda: idle(server), timeout=5)
+    freed = time.monotonic() - closed
+    after = server.metrics()
+    abort, length = "fxllm_requests_total{finish_reason=abort}", "fxllm_requests_total{finish_reason=length}"
+    assert after.get(abort, 0) - before.get(abort, 0) == 1
+    assert after.get(length, 0) == before.get(length, 0)
+    print(f"blocks free {freed * 1e3:.0f} ms after the client of a non-streamed request closed its connection")
+
+
 @pytest.fixture(scope="module")
 def small_server(serve_artifact, tmp_path_factory):
     """One request decoded at a time and one queued: the third at once gets 429."""
@@ -117,10 +140,10 @@ def small_server(serve_artifact, tmp_path_factory):
     process.terminate()
 
 
-def open_chat_stream(client: httpx.Client, max_tokens: int):
+def open_chat_stream(client: httpx.Client, max_tokens: int, model: str = MODEL):
     """A streamed chat request; returns (response, line iterator) once its first chunk (the role) has arrived,
     which the server sends as soon as it has admitted the request."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
     response = client.send(client.build_request("POST", "/chat/completions", json=body), stream=True)
     assert response.status_code == 200, response.read()
@@ -170,6 +193,44 @@ def test_sigterm_stops_accepting_drains_and_exits_0(small_server):
             events = rest_of(lines)
             assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
     assert small_server.proc.wait(30) == 0
+
+
+def test_sigterm_turns_new_requests_away_while_draining(serve_artifact, tmp_path):
+    """From the SIGTERM on, the server is shutting down: a request that was still arriving on an open connection (its
+    headers parsed before the signal, its body sent after) gets 503 with the OpenAI error body, while the stream
+    that was running still completes; then exit 0. (uvicorn closes the listening socket at once, so a request that
+    arrives later cannot even connect.)"""
+    process = ServerProcess(serve_artifact, "--max-batch", "1", log=tmp_path / "stderr.log")
+    host, port = process.root.removeprefix("http://").split(":")
+    body = json.dumps({"model": "artifact", "prompt": "x", "max_tokens": 2}).encode()
+    late = socket.create_connection((host, int(port)))
+    late.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n").encode())
+    with httpx.Client(base_url=process.url, timeout=60) as client:
+        running = open_chat_stream(client, 200, model="artifact")
+        time.sleep(0.2)  # the connections above are accepted and their headers parsed
+        process.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: refused_connection(int(port)), timeout=5)
+        late.sendall(body)
+        status, error = read_response(late)
+        events = rest_of(running[1])
+    assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
+    assert status == 503 and error["error"]["type"] == "service_unavailable", (status, error)
+    assert "shutting down" in error["error"]["message"]
+    assert process.proc.wait(30) == 0
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict]:
+    """One HTTP/1.1 response with a Content-Length: (status, JSON body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    sock.close()
+    return int(head.split()[1]), json.loads(body)
 
 
 def test_drain_timeout_bounds_the_shutdown(serve_artifact, tmp_path):

@@ -208,6 +208,73 @@ def test_async_client_runs_requests_together(server, engine):
                                                                      for p in PROMPTS]
 
 
+def test_chat_stop_strings(client, engine):
+    """A stop string taken from the greedy reply cuts the chat reply there, streamed or not."""
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    full = greedy(engine, PROMPTS[1], 24, chat=True)
+    cut = len(full.text) // 2
+    stop = full.text[cut:cut + 3]
+    expected = full.text[:full.text.find(stop)]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                              stop=[stop, "never-in-the-text"])
+    assert (response.choices[0].message.content, response.choices[0].finish_reason) == (expected, "stop")
+    streamed = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                   stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_top_k_extension(client, engine):
+    """top_k=1 samples the most likely token at any temperature (so equals greedy); 0 and -1 mean no limit; a
+    negative top_k is the engine's 400."""
+    expected = greedy(engine, PROMPTS[0], 12).text
+    for seed in (1, 2):
+        response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.5,
+                                             seed=seed, extra_body={"top_k": 1})
+        assert response.choices[0].text == expected
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=8, temperature=1.5, extra_body={"top_k": 1})
+    assert chat.choices[0].message.content == greedy(engine, PROMPTS[0], 8, chat=True).text
+    unlimited = [client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, seed=5,
+                                           extra_body={"top_k": k}).choices[0].text for k in (0, -1)]
+    assert unlimited[0] == unlimited[1] == client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+                                                                      seed=5).choices[0].text
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, extra_body={"top_k": -3})
+    assert raised.value.body["param"] == "top_k"
+
+
+def test_streamed_chat_usage_and_logprobs(client, engine):
+    """stream_options.include_usage: every chunk has `usage: null` and a last chunk without choices has the usage of
+    the unstreamed reply; streamed logprobs equal the unstreamed ones position by position."""
+    options = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=10, temperature=0,
+                   logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**options)
+    chunks = list(client.chat.completions.create(**options, stream=True, stream_options={"include_usage": True}))
+    *content_chunks, usage_chunk = chunks
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+    assert all(c.usage is None for c in content_chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == whole.choices[0].message.content
+    streamed = [p for c in content_chunks if c.choices[0].logprobs for p in c.choices[0].logprobs.content]
+    assert [(p.token, p.logprob, p.bytes, [t.logprob for t in p.top_logprobs]) for p in streamed] == \
+        [(p.token, p.logprob, p.bytes, [t.logprob for t in p.top_logprobs]) for p in whole.choices[0].logprobs.content]
+    assert len(streamed) == whole.usage.completion_tokens
+    no_usage = list(client.chat.completions.create(**options, stream=True))
+    assert all(c.usage is None and c.choices for c in no_usage)
+
+
+def test_stream_options_need_stream(server):
+    """As OpenAI answers: stream_options with stream false (or absent) is a 400 naming the field."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for route, body in (("/completions", {"prompt": "x"}),
+                        ("/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        for stream in ({}, {"stream": False}):
+            response = httpx.post(f"{server.url}{route}", headers=headers,
+                                  json={"model": MODEL, "max_tokens": 2, "stream_options": {"include_usage": True},
+                                        **body, **stream})
+            assert response.status_code == 400 and error_of(response)["param"] == "stream_options", response.text
+
+
 # -- other routes -----------------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,103 @@
+"""`fxllm serve ARTIFACT --ray` as a user runs it: a cluster of this machine is started, the app answers the
+official client, SIGTERM drains it (a running stream completes) and exits 0 with no Ray process left; bad input (`--ray` without the extra, an
+unreachable `--ray-address`, `--replicas 0`, ...) is one line on stderr, exit 1, nothing started."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+
+import openai
+import pytest
+
+from tests.conftest import PROMPTS
+from tests.serving.conftest import FXLLM, ServerProcess, ray_processes, wait_until
+from tests.test_thin_runtime import Blocked
+
+pytest.importorskip("ray", reason="the `ray` extra is not installed (scripts/setup.sh --test installs it)")
+
+
+def test_cli_serves_on_a_local_cluster_and_stops_it(long_context_artifact, tmp_path):
+    before = ray_processes()
+    process = ServerProcess(long_context_artifact, "--ray", "--replicas", "1", "--served-model-name", "tiny",
+                            "--api-key", "sk-ray", log=tmp_path / "stderr.log", timeout=240)
+    try:
+        assert ray_processes() - before  # the cluster runs
+        client = openai.OpenAI(base_url=process.url, api_key="sk-ray", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                              max_tokens=8, temperature=0)
+        assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens > 0
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=process.url, api_key="wrong", max_retries=0).models.list()
+        stream = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=600, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        process.proc.send_signal(signal.SIGTERM)  # drain: the running stream still completes
+        rest = list(stream)
+        assert len(rest) >= 1 and rest[-1].choices[0].finish_reason == "length"
+        assert len(first.choices[0].text + "".join(c.choices[0].text for c in rest)) > 0
+    finally:
+        status = process.terminate(timeout=120)
+    assert status == 0, process.log.read_text()
+    assert wait_until(lambda: not (ray_processes() - before), timeout=30), ray_processes() - before
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # nothing listens there once the probe is closed
+
+
+@pytest.mark.parametrize("options, expected", [
+    (("--replicas", "0"), "--replicas must be an integer >= 1"),
+    (("--autoscale", "3:1"), "--autoscale MIN:MAX needs"),
+    (("--autoscale", "two"), "--autoscale takes MIN:MAX"),
+    (("--replicas", "2", "--autoscale", "1:2"), "either --replicas or --autoscale"),
+    (("--replica-cpus", "0"), "--replica-cpus must be > 0"),
+    (("--ray-address", f"127.0.0.1:{closed_port()}"), "cannot reach the Ray cluster at 127.0.0.1:"),
+    (("--ray-address", "nonsense"), "--ray-address takes HOST:PORT"),
+])
+def test_bad_ray_options_are_one_line(long_context_artifact, options, expected):
+    before = ray_processes()
+    proc = subprocess.run([FXLLM, "serve", str(long_context_artifact), "--ray", "--port", "0", *options],
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and expected in lines[0], (options, proc.stderr)
+    assert not (ray_processes() - before)
+
+
+def test_ray_options_without_ray_and_a_missing_artifact(long_context_artifact, tmp_path):
+    for argv, expected in [((str(long_context_artifact), "--replicas", "2"), "--replicas only apply with --ray"),
+                           ((str(tmp_path / "missing"), "--ray"), "does not exist")]:
+        proc = subprocess.run([FXLLM, "serve", *argv, "--port", "0"], capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and expected in lines[0], (argv, proc.stderr)
+
+
+def test_ray_without_the_extra_names_it(long_context_artifact, tmp_path):
+    blocked = Blocked(tmp_path / "no-ray", ("ray",))
+    proc = blocked.cli("serve", str(long_context_artifact), "--ray", "--port", "0")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "pip install 'fxllm[ray]'" in lines[0] and "missing ray" in lines[0]
+
+
+def test_a_replica_that_cannot_start_stops_everything(long_context_artifact, tmp_path):
+    """A corrupt weights file (one byte changed; the manifest itself is fine): the replicas refuse it at load, and
+    the command stops with one line, exit 1, leaving no Ray process."""
+    import shutil
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(long_context_artifact, corrupt)
+    data = corrupt / "model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    data.write_bytes(bytes(raw))
+    before = ray_processes()
+    proc = subprocess.run([FXLLM, "serve", str(corrupt), "--ray", "--port", "0"], capture_output=True, text=True,
+                          timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert len(lines) == 1 and "failed to start" in lines[0] and "checksum" in lines[0], proc.stderr
+    assert wait_until(lambda: not (ray_processes() - before), timeout=30)
