@@ -133,8 +133,13 @@ def long_context_artifact(tmp_path_factory, tokenizer) -> Path:
     return output
 
 
-def ray_processes() -> set[int]:
-    """PIDs of this user's Ray processes (GCS, raylet, workers, agents), from /proc."""
+RUN_TAG = "FXLLM_TEST_RUN"
+
+
+def ray_processes(tag: str | None = None) -> set[int]:
+    """PIDs of this user's Ray processes (GCS, raylet, workers, agents), from /proc; with `tag`, only those whose
+    environment carries `FXLLM_TEST_RUN=tag` (inherited from a command started with `tagged_environment(tag)`), so
+    Ray processes of other tests running at the same time (pytest -n) do not count."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -143,9 +148,16 @@ def ray_processes() -> set[int]:
             if entry.stat().st_uid != os.getuid():
                 continue
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            if tag is not None and f"{RUN_TAG}={tag}".encode() not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
         except OSError:
             continue
         if b"ray/core/src/ray" in command or command.startswith(b"ray::") or b"ray/dashboard/agent.py" in command \
                 or b"ray/_private/workers/default_worker.py" in command or b"runtime_env/agent/main.py" in command:
             pids.add(int(entry.name))
     return pids
+
+
+def tagged_environment(tag: str) -> dict[str, str]:
+    """This process's environment plus the tag `ray_processes(tag)` looks for."""
+    return {**os.environ, RUN_TAG: tag}

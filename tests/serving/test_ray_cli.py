@@ -7,23 +7,25 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import uuid
 
 import openai
 import pytest
 
 from tests.conftest import PROMPTS
-from tests.serving.conftest import FXLLM, ServerProcess, ray_processes, wait_until
+from tests.serving.conftest import FXLLM, ServerProcess, ray_processes, tagged_environment, wait_until
 from tests.test_thin_runtime import Blocked
 
 pytest.importorskip("ray", reason="the `ray` extra is not installed (scripts/setup.sh --test installs it)")
 
 
 def test_cli_serves_on_a_local_cluster_and_stops_it(long_context_artifact, tmp_path):
-    before = ray_processes()
+    tag = uuid.uuid4().hex
     process = ServerProcess(long_context_artifact, "--ray", "--replicas", "1", "--served-model-name", "tiny",
-                            "--api-key", "sk-ray", log=tmp_path / "stderr.log", timeout=240)
+                            "--api-key", "sk-ray", log=tmp_path / "stderr.log", timeout=240,
+                            env=tagged_environment(tag))
     try:
-        assert ray_processes() - before  # the cluster runs
+        assert ray_processes(tag)  # the cluster runs, and its processes carry the tag
         client = openai.OpenAI(base_url=process.url, api_key="sk-ray", max_retries=0, timeout=120)
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
                                               max_tokens=8, temperature=0)
@@ -40,7 +42,7 @@ def test_cli_serves_on_a_local_cluster_and_stops_it(long_context_artifact, tmp_p
     finally:
         status = process.terminate(timeout=120)
     assert status == 0, process.log.read_text()
-    assert wait_until(lambda: not (ray_processes() - before), timeout=30), ray_processes() - before
+    assert wait_until(lambda: not ray_processes(tag), timeout=30), ray_processes(tag)
 
 
 def closed_port() -> int:
@@ -59,12 +61,12 @@ def closed_port() -> int:
     (("--ray-address", "nonsense"), "--ray-address takes HOST:PORT"),
 ])
 def test_bad_ray_options_are_one_line(long_context_artifact, options, expected):
-    before = ray_processes()
+    tag = uuid.uuid4().hex
     proc = subprocess.run([FXLLM, "serve", str(long_context_artifact), "--ray", "--port", "0", *options],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=tagged_environment(tag))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and expected in lines[0], (options, proc.stderr)
-    assert not (ray_processes() - before)
+    assert not ray_processes(tag)
 
 
 def test_ray_options_without_ray_and_a_missing_artifact(long_context_artifact, tmp_path):
@@ -94,10 +96,10 @@ def test_a_replica_that_cannot_start_stops_everything(long_context_artifact, tmp
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 3] ^= 0x01
     data.write_bytes(bytes(raw))
-    before = ray_processes()
+    tag = uuid.uuid4().hex
     proc = subprocess.run([FXLLM, "serve", str(corrupt), "--ray", "--port", "0"], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=tagged_environment(tag))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stderr
     assert len(lines) == 1 and "failed to start" in lines[0] and "checksum" in lines[0], proc.stderr
-    assert wait_until(lambda: not (ray_processes() - before), timeout=30)
+    assert wait_until(lambda: not ray_processes(tag), timeout=30), ray_processes(tag)
