@@ -64,12 +64,16 @@ class AsyncEngine:
                 yield output
         finally:
             if not finished:  # cancelled, or the consumer stopped reading: free the request's blocks
-                await self._abort_in_thread(request_id, notify=False)
+                self.driver.queue_abort(request_id, notify=False)  # at once: before any later request's step
+                await asyncio.get_running_loop().run_in_executor(None, self.driver.flush)  # blocks freed on return
+                self._notify()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request: its blocks are free when this returns; its generate() iterator ends with an "abort"
         output. An unknown or finished id is a no-op (logged)."""
-        await self._abort_in_thread(request_id, notify=True)
+        # The driver waits for a running step to end: do that off the event loop.
+        await asyncio.get_running_loop().run_in_executor(None, self.driver.abort, request_id, True)
+        self._notify()
 
     def stats(self) -> EngineStats:
         return self.driver.core.stats()
@@ -115,8 +119,3 @@ class AsyncEngine:
             except Exception:  # a bug in a step (model failures are request errors): keep the loop alive
                 logger.exception("engine step failed; failing the unfinished requests")
                 self.driver.fail_all("internal error in the engine step (see the log)")
-
-    async def _abort_in_thread(self, request_id: str, notify: bool) -> None:
-        # The driver waits for a running step to end: do that off the event loop.
-        await asyncio.get_running_loop().run_in_executor(None, self.driver.abort, request_id, notify)
-        self._notify()

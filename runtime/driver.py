@@ -32,6 +32,7 @@ class CoreDriver:
         self._lock = threading.Lock()  # guards _sinks and _pending; never held while waiting for the step lock
         self._sinks: dict[str, Sink] = {}  # unfinished requests (queued or in the core) → where outputs go
         self._pending: deque[Request] = deque()  # submitted, not yet in the core
+        self._aborts: deque[str] = deque()  # aborted, not yet applied to the core (applied before the next step)
 
     def submit(self, requests: list[tuple[str, str | list[int], SamplingParams]], sinks: list[Sink]) -> None:
         """Check every request (raising the first problem, GenerationError, before any is queued), then queue all.
@@ -51,12 +52,21 @@ class CoreDriver:
     def abort(self, request_id: str, notify: bool = True) -> None:
         """Abort now (blocks free when this returns; waits for a running step to end). With notify, the request's
         sink still receives its final "abort" output from the next step; without, the sink is dropped at once."""
+        self.queue_abort(request_id, notify)
+        self.flush()
+
+    def flush(self) -> None:
+        """Apply the queued requests and aborts now (waits for a running step to end)."""
         with self._step_lock:
             self._apply_pending()
+
+    def queue_abort(self, request_id: str, notify: bool = True) -> None:
+        """Abort without waiting: the abort is applied before the next step runs, whichever thread runs it (a
+        thread waiting for the step lock could otherwise watch the stepping thread win it again and again)."""
+        with self._lock:
             if not notify:
-                with self._lock:
-                    self._sinks.pop(request_id, None)
-            self.core.abort(request_id)
+                self._sinks.pop(request_id, None)
+            self._aborts.append(request_id)
 
     def unfinished_ids(self) -> list[str]:
         with self._lock:
@@ -81,7 +91,7 @@ class CoreDriver:
                 logger.exception("the engine core cannot step after failing its requests")
 
     def has_work(self) -> bool:
-        return bool(self._pending) or self.core.has_unfinished()
+        return bool(self._pending) or bool(self._aborts) or self.core.has_unfinished()
 
     def has_request(self, request_id: str) -> bool:
         with self._lock:
@@ -113,11 +123,15 @@ class CoreDriver:
                 sink(output)
 
     def _apply_pending(self) -> None:
+        """Queued requests into the core, then queued aborts (which may name a request just queued)."""
         with self._lock:
-            requests = list(self._pending)
+            requests, aborts = list(self._pending), list(self._aborts)
             self._pending.clear()
+            self._aborts.clear()
         for request in requests:
             self.core.enqueue(request)
+        for request_id in aborts:
+            self.core.abort(request_id)
 
     def run_exclusive(self, function: Callable[[], object]) -> object:
         """Run function() while no step runs (e.g. score() borrowing pool blocks)."""
