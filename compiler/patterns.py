@@ -57,3 +57,43 @@ def build_repeat_kv(graph: torch.fx.Graph, source: Node, groups: int) -> Node:
     unsqueeze = graph.call_function(aten.unsqueeze.default, (source, 2))
     expand = graph.call_function(aten.expand.default, (unsqueeze, [-1, -1, groups, -1, -1]))
     return graph.call_function(aten.flatten.using_ints, (expand, 1, 2))
+
+
+def call_arguments(node: Node) -> dict:
+    """The arguments of a call to an OpOverload by schema name, defaults filled in (positional and keyword alike)."""
+    schema = node.target._schema
+    values = {}
+    for index, argument in enumerate(schema.arguments):
+        if index < len(node.args):
+            values[argument.name] = node.args[index]
+        elif argument.name in node.kwargs:
+            values[argument.name] = node.kwargs[argument.name]
+        elif argument.has_default_value():
+            values[argument.name] = argument.default_value
+    return values
+
+
+# Elementwise ops a model may apply to its logits after the lm_head with scalar operands: scaling (Granite divides,
+# Cohere multiplies), final soft-capping (Gemma 2/3: tanh(x / cap) * cap), dtype casts.
+LOGIT_TRANSFORMS = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.tanh.default,
+                    aten._to_copy.default, aten.to.dtype}
+
+
+def logits_projection(output_value, projections) -> Node | None:
+    """The lm_head behind the logits: `output_value` itself when it is a call to one of `projections`, or the
+    projection reached through LOGIT_TRANSFORMS whose other operands are scalars; None otherwise."""
+    node = skip_no_ops(output_value)
+    while isinstance(node, Node) and node.op == "call_function":
+        if node.target in projections:
+            return node
+        operands = [arg for arg in node.args if isinstance(arg, Node) and _rank(arg) != 0]
+        if node.target not in LOGIT_TRANSFORMS or len(operands) != 1:
+            return None
+        node = skip_no_ops(operands[0])
+    return None
+
+
+def _rank(node: Node) -> int | None:
+    """A node's tensor rank (0 for a scalar tensor), None for a non-tensor value (a SymInt) or unknown."""
+    value = node.meta.get("val")
+    return value.dim() if isinstance(value, torch.Tensor) else None

@@ -27,8 +27,8 @@ def gqa(program: Program, *, kv_heads: int | None = None) -> Program:
     """Fold K/V head repeats into native grouped-query attention; with kv_heads=N, regroup to N KV heads."""
     attention_nodes = [n for n in program.graph.nodes if n.target is fxllm_ops.attention.default]
     for node in attention_nodes:
-        q, k, v, scale = node.args
-        node.args = (q, _fold(k), _fold(v), scale)
+        node.update_arg(1, _fold(node.args[1]))
+        node.update_arg(2, _fold(node.args[2]))
     program.graph.eliminate_dead_code()
     _check_native(program, attention_nodes)
     if kv_heads is not None:

@@ -1,16 +1,18 @@
 """Pass `kv-cache`: give every attention layer a contiguous KV cache, so a step computes only its new tokens.
 
 before: attention(q, k, v) over the whole sequence
-→ after: present_k = cat(past_k, k); masked_attention(q, present_k, present_v, mask) with one shared causal+padding
-mask; new inputs attention_mask + past_key_i/past_value_i, new outputs present_key_i/present_value_i. The cache holds
-the model's KV heads only: a repeat of K/V to the query heads (see `gqa`) is moved behind the cache.
+→ after: present_k = cat(past_k, k); masked_attention(q, present_k, present_v, mask) with one causal+padding mask
+shared by the layers of each sliding window (one for all full-attention layers; the cache keeps the whole context, the
+mask hides what a window cannot see); soft-capping and sinks carry over; new inputs attention_mask +
+past_key_i/past_value_i, new outputs present_key_i/present_value_i. The cache holds the model's KV heads only: a
+repeat of K/V to the query heads (see `gqa`) is moved behind the cache.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fxllm.compiler.patterns import build_repeat_kv, match_repeat_kv
+from fxllm.compiler.patterns import build_repeat_kv, call_arguments, match_repeat_kv
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program
 from fxllm.runtime.contract import ATTENTION_MASK, CONTIGUOUS, INPUT_IDS, TensorSig, cache_input, cache_output
@@ -43,12 +45,20 @@ def kv_cache(program: Program) -> Program:
         past_nodes.append((past_key, past_value))
         new_inputs += [TensorSig(past_key.name, cache_dims, "float32"),
                        TensorSig(past_value.name, cache_dims, "float32")]
-    with graph.inserting_after(anchor):
-        mask = graph.call_function(fxllm_ops.causal_mask.default, (attention_mask, program.placeholder(INPUT_IDS)))
+    masks: dict[int, torch.fx.Node] = {}  # sliding window (0: none) → its mask, shared by the layers using it
+    for node in attention_nodes:
+        window = call_arguments(node)["window"]
+        if window not in masks:
+            with graph.inserting_after(anchor):
+                anchor = masks[window] = graph.call_function(
+                    fxllm_ops.causal_mask.default,
+                    (attention_mask, program.placeholder(INPUT_IDS), *((window,) if window else ())))
 
     presents = []
     for layer, node in enumerate(attention_nodes):
-        q, k, v, scale = node.args
+        arguments = call_arguments(node)
+        q, k, v, scale = (arguments[name] for name in ("q", "k", "v", "scale"))
+        variant = {name: arguments[name] for name in ("softcap", "sinks") if arguments[name] not in (None, 0.0)}
         attended = []
         with graph.inserting_before(node):
             for past, new in zip(past_nodes[layer], (k, v)):
@@ -56,7 +66,8 @@ def kv_cache(program: Program) -> Program:
                 present = graph.call_function(aten.cat.default, ([past, repeat[0] if repeat else new], 2))
                 presents.append(present)
                 attended.append(build_repeat_kv(graph, present, repeat[1]) if repeat else present)
-            out = graph.call_function(fxllm_ops.masked_attention.default, (q, *attended, mask, scale))
+            out = graph.call_function(fxllm_ops.masked_attention.default,
+                                      (q, *attended, masks[arguments["window"]], scale), variant)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     graph.eliminate_dead_code()  # the per-step repeats of the new K/V alone are no longer used

@@ -2,8 +2,8 @@
 
 before: present_k = cat(past_key_i [B,Hkv,past,D], k); causal+padding mask from attention_mask; outputs present_k_i
 → after: cat(gather_blocks(key_cache_i [blocks,block_size,Hkv,D], block_tables [B,n]), k) under a mask that hides
-unfilled slots (context_lens [B]); outputs only the step's new_key_i/new_value_i [B,Hkv,T,D], which the runtime
-writes into their slots. A step reads the blocks its sequences own and never copies the pool.
+unfilled slots (context_lens [B]) and, per sliding window, keys the window cannot see; outputs only the step's
+new_key_i/new_value_i [B,Hkv,T,D], which the runtime writes into their slots. A step reads the blocks its sequences own and never copies the pool.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fxllm.compiler.pass_registry import register_pass
+from fxllm.compiler.patterns import call_arguments
 from fxllm.compiler.program import Program
 from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, CONTIGUOUS, INPUT_IDS, PAGED, TensorSig,
                                     cache_input, cache_output, parse_cache_name)
@@ -30,8 +31,8 @@ def paged(program: Program, *, block_size: int = 16) -> Program:
     """Block-table KV cache: a per-layer block pool, block_tables and context_lens inputs, new K/V outputs."""
     _check_options(block_size=block_size)
     graph, spec = program.graph, program.spec
-    mask_node = next((n for n in graph.nodes if n.target is fxllm_ops.causal_mask.default), None)
-    if mask_node is None:
+    mask_nodes = [n for n in graph.nodes if n.target is fxllm_ops.causal_mask.default]
+    if not mask_nodes:
         raise PipelineError("paged: the graph has no fxllm.causal_mask (the kv-cache pass's shared mask) to replace")
     attention_mask = program.placeholder(ATTENTION_MASK)
     roles = [parse_cache_name(sig.name) for sig in program.inputs]
@@ -62,11 +63,14 @@ def paged(program: Program, *, block_size: int = 16) -> Program:
         past.replace_all_uses_with(gathered)
         graph.erase_node(past)
     replaced = {ATTENTION_MASK} | {past.name for past in pasts}
-    with graph.inserting_before(mask_node):
-        mask = graph.call_function(fxllm_ops.paged_mask.default,
-                                   (context_lens, block_tables, program.placeholder(INPUT_IDS), block_size))
-    mask_node.replace_all_uses_with(mask)
-    graph.erase_node(mask_node)
+    for mask_node in mask_nodes:  # one per sliding window
+        window = call_arguments(mask_node)["window"]
+        with graph.inserting_before(mask_node):
+            mask = graph.call_function(fxllm_ops.paged_mask.default,
+                                       (context_lens, block_tables, program.placeholder(INPUT_IDS), block_size,
+                                        *((window,) if window else ())))
+        mask_node.replace_all_uses_with(mask)
+        graph.erase_node(mask_node)
     graph.erase_node(attention_mask)
 
     output = program.output_node()

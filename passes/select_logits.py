@@ -1,7 +1,8 @@
 """Pass `select-logits`: compute the lm_head only at the positions the caller asks for.
 
 before: logits = lm_head(hidden [B,T,H]) → [B,T,V]
-→ after: logits = lm_head(index_select(hidden, 1, logits_index)) → [B,K,V], with a new input logits_index [K]:
+→ after: logits = lm_head(index_select(hidden, 1, logits_index)) → [B,K,V], with a new input logits_index [K] (a
+scaling or soft-capping of the logits after the lm_head stays where it is and sees only the selected positions):
 prefill asks for its last position only, decode for its one token, eval and speculative verification for all.
 """
 
@@ -11,6 +12,7 @@ import torch
 
 from fxllm.compiler import ops  # noqa: F401 - registers torch.ops.fxllm.*
 from fxllm.compiler.pass_registry import register_pass
+from fxllm.compiler.patterns import logits_projection
 from fxllm.compiler.program import Program
 from fxllm.runtime.contract import LOGITS_INDEX, TensorSig
 from fxllm.errors import UnsupportedModelError
@@ -22,10 +24,11 @@ PROJECTIONS = {torch.ops.aten.linear.default, torch.ops.fxllm.dequant_linear.def
 def select_logits(program: Program) -> Program:
     """Add a logits_index input and apply the lm_head only at those positions."""
     graph = program.graph
-    head = program.output_node().args[0][0]
-    if getattr(head, "target", None) not in PROJECTIONS:
-        raise UnsupportedModelError(f"select-logits: the logits come from {head.target} (node '{head.name}'), "
-                                    "not from a linear lm_head")
+    logits = program.output_node().args[0][0]
+    head = logits_projection(logits, PROJECTIONS)
+    if head is None:
+        raise UnsupportedModelError(f"select-logits: the logits come from {logits.target} (node '{logits.name}'), "
+                                    "not from a linear lm_head (optionally scaled or soft-capped)")
     last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last_input):
         index = graph.placeholder(LOGITS_INDEX)

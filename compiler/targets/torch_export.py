@@ -30,7 +30,8 @@ MODEL_FILE = "model.pt2"
 # The custom ops and their reference implementations (CustomOpDef keeps the decorated function as _init_fn).
 CUSTOM_OPS = {getattr(torch.ops.fxllm, name).default: getattr(ops, name)
               for name in ("attention", "causal_mask", "masked_attention", "dequant_linear", "dequant_embedding",
-                           "gather_blocks", "paged_mask")}
+                           "gather_blocks", "paged_mask", "moe_experts",
+                           "dequantize_experts")}
 
 
 def reference_function(op: torch._ops.OpOverload):
