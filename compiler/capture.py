@@ -8,13 +8,18 @@ the model's KV heads and repeated to the query heads in front of it; the `gqa` p
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from fxllm.compiler import ops  # noqa: F401 - registers torch.ops.fxllm.*
-from fxllm.compiler.targets.op_support import first_unsupported_node
+from fxllm.compiler.model_features import check_sliding_windows, describe_layers, supports_attention_interface
+from fxllm.compiler.moe import moe_layer_shapes, register_moe_experts
+from fxllm.compiler.patterns import call_arguments, match_repeat_kv
 from fxllm.compiler.program import Program
+from fxllm.compiler.targets.op_support import first_unsupported_node
 from fxllm.runtime.contract import INPUT_IDS, LOGITS, POSITION_IDS, ModelSpec, TensorSig
 from fxllm.errors import UnsupportedModelError
 
@@ -22,20 +27,45 @@ ATTN_IMPLEMENTATION = "fxllm"
 SAMPLE_BATCH, SAMPLE_TOKENS = 2, 8
 
 
-def _fxllm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _fxllm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                     softcap=None, s_aux=None, **kwargs):
     """transformers attention hook: q [B,Hq,T,D], k/v [B,Hkv,T,D] → ([B,T,Hq,D], None).
 
-    A sliding window is accepted because spec_from_config caps the context at the window, where full causal
-    attention is exact; soft-capping changes the math and is refused."""
-    if kwargs.get("softcap") or getattr(module.config, "attn_logit_softcapping", None):
-        raise UnsupportedModelError(f"{type(module).__name__} uses soft-capped attention, which fxllm cannot express")
+    The layer's sliding window (keys within W - 1 positions before the query), attention-logit soft-capping (Gemma
+    2) and sinks (`s_aux`, one logit per query head: GPT-OSS) are carried on the op; bidirectional attention is
+    refused."""
+    if getattr(module, "is_causal", True) is False:
+        raise UnsupportedModelError(f"{type(module).__name__} uses bidirectional (non-causal) attention, which "
+                                    "fxllm cannot express")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    # Faithful to transformers' default attention path, which repeats K/V to every query head (repeat_kv); the
-    # `gqa` pass folds the repeat away so attention reads the KV heads directly.
+    return _attention(query, key, value, float(scaling), int(sliding_window or 0), float(softcap or 0.0),
+                      s_aux).transpose(1, 2).contiguous(), None
+
+
+def _attention(query, key, value, scale: float, window: int = 0, softcap: float = 0.0, sinks=None):
+    """fxllm::attention, faithful to transformers' default attention path, which repeats K/V to every query head
+    (repeat_kv); the `gqa` pass folds the repeat away so attention reads the KV heads directly."""
     groups = query.shape[1] // key.shape[1]
-    out = torch.ops.fxllm.attention(query, repeat_kv(key, groups), repeat_kv(value, groups), float(scaling))
-    return out.transpose(1, 2).contiguous(), None
+    return torch.ops.fxllm.attention(query, repeat_kv(key, groups), repeat_kv(value, groups), scale, window,
+                                     softcap, sinks)
+
+
+def _intercepted_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False):
+    """Stands in for torch's scaled_dot_product_attention while a model whose attention does not go through
+    transformers' interface (Falcon) is captured: plain causal attention becomes fxllm::attention; anything else
+    (an explicit mask or bias, non-causal attention) is refused. A K/V head broadcast with expand (multi-query
+    models) is read back as the single head it is."""
+    if attn_mask is not None or not is_causal:
+        raise UnsupportedModelError("the model calls scaled_dot_product_attention with an explicit mask or bias "
+                                    "(not plain causal attention), which fxllm cannot express")
+    key, value = (_unbroadcast_heads(t) for t in (key, value))
+    return _attention(query, key, value, float(scale if scale is not None else query.shape[-1] ** -0.5))
+
+
+def _unbroadcast_heads(states: torch.Tensor) -> torch.Tensor:
+    return states[:, :1] if states.shape[1] > 1 and states.stride(1) == 0 else states
 
 
 def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
@@ -54,17 +84,43 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, lambda *args, **kwargs: None)
 
 
-def spec_from_config(config, architecture: str) -> ModelSpec:
+@contextmanager
+def attention_routed(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: every attention layer of `model` calls fxllm::attention. A model whose attention goes through
+    transformers' attention interface gets the `fxllm` implementation (and keeps it); one that calls torch's
+    scaled_dot_product_attention itself (Falcon) runs its `sdpa` path without a mask, with that function
+    intercepted (_intercepted_sdpa) until the context ends."""
+    register_moe_experts(model)
+    if supports_attention_interface(model):
+        register_attention()
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+        yield
+        return
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    functional = torch.nn.functional
+    saved = (model.config._attn_implementation, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"],
+             functional.scaled_dot_product_attention)
+    model.config._attn_implementation = "sdpa"
+    ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] = lambda *args, **kwargs: None
+    functional.scaled_dot_product_attention = _intercepted_sdpa
+    try:
+        yield
+    finally:
+        model.config._attn_implementation, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], \
+            functional.scaled_dot_product_attention = saved
+
+
+def spec_from_config(config, architecture: str, kv_heads: int | None = None) -> ModelSpec:
+    """The model spec from the config; `kv_heads` as the captured attention reads them (configs of MHA models
+    often have no KV-head field, and some state a count the attention does not use)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     eos = config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    max_positions = config.max_position_embeddings
-    notes = []
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < max_positions:
-        # Full causal attention equals windowed attention while the context fits in the window.
-        notes.append(f"context capped at the sliding window ({window}) so full causal attention stays exact")
-        max_positions = window
+    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not max_positions:
+        raise UnsupportedModelError(f"{architecture}: the config gives no context length (max_position_embeddings)")
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if not rope and getattr(config, "rope_theta", None) is not None:
         rope = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -73,7 +129,7 @@ def spec_from_config(config, architecture: str) -> ModelSpec:
         model_type=config.model_type,
         num_layers=config.num_hidden_layers,
         num_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        num_kv_heads=kv_heads or getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim,
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
@@ -83,7 +139,6 @@ def spec_from_config(config, architecture: str) -> ModelSpec:
         bos_token_id=config.bos_token_id,
         eos_token_ids=eos_ids,
         pad_token_id=config.pad_token_id,
-        notes=notes,
     )
 
 
@@ -111,36 +166,49 @@ def sample_inputs(batch: int = SAMPLE_BATCH, tokens: int = SAMPLE_TOKENS, vocab:
 
 
 def capture(model: torch.nn.Module) -> Capture:
-    """torch.export the model's logits forward with dynamic batch and sequence length."""
+    """torch.export the model's logits forward with dynamic batch and sequence length: one fxllm::attention node
+    per layer (with its window, soft-cap and sinks), one fxllm::moe_experts node per mixture-of-experts layer."""
     architecture = type(model).__name__
-    spec = spec_from_config(model.config, architecture)
-    register_attention()
-    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    vocab_size = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") \
+        else model.config.vocab_size
     start = time.perf_counter()
     batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens")
     dynamic = ({0: batch, 1: tokens}, {0: batch, 1: tokens})
     try:
-        with torch.no_grad():
+        with torch.no_grad(), attention_routed(model):
             exported = torch.export.export(
-                LogitsForward(model), sample_inputs(vocab=spec.vocab_size), dynamic_shapes=dynamic, strict=False
+                LogitsForward(model), sample_inputs(vocab=vocab_size), dynamic_shapes=dynamic, strict=False
             )
-    except UnsupportedModelError:
-        raise
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{architecture}: {exc}") if not str(exc).startswith(architecture) else exc
     except Exception as exc:
         raise UnsupportedModelError(f"torch.export failed for {architecture}: {type(exc).__name__}: {exc}") from exc
     graph_module = _plain_graph_module(exported.module())
     attention_nodes = [n for n in graph_module.graph.nodes if n.target is torch.ops.fxllm.attention.default]
-    if len(attention_nodes) != spec.num_layers:
+    layers = model.config.get_text_config().num_hidden_layers if hasattr(model.config, "get_text_config") \
+        else model.config.num_hidden_layers
+    if len(attention_nodes) != layers:
         raise UnsupportedModelError(
-            f"{architecture}: expected {spec.num_layers} fxllm.attention nodes after capture, found "
-            f"{len(attention_nodes)} (the model does not route attention through transformers' AttentionInterface)"
+            f"{architecture}: expected {layers} fxllm.attention nodes after capture, found "
+            f"{len(attention_nodes)} (the model's attention goes neither through transformers' AttentionInterface "
+            "nor through scaled_dot_product_attention)"
         )
+    attention = [_attention_facts(node) for node in attention_nodes]
+    kv_heads = {facts["kv_heads"] for facts in attention}
+    if len(kv_heads) != 1:
+        raise UnsupportedModelError(f"{architecture}: layers with different KV head counts ({sorted(kv_heads)})")
+    check_sliding_windows(model.config, [facts["window"] for facts in attention], architecture)
     unsupported = first_unsupported_node(graph_module)
     if unsupported is not None:
         raise UnsupportedModelError(
             f"{architecture}: op {unsupported.target} (node '{unsupported.name}') is not understood by any pass or "
             "lowering"
         )
+    spec = spec_from_config(model.config, architecture, kv_heads.pop())
+    spec.sliding_windows = [facts["window"] for facts in attention] if any(f["window"] for f in attention) else []
+    for facts, module in zip(attention, _attention_modules(model)):
+        facts["qk_norm"] = any(hasattr(module, name) for name in ("q_norm", "k_norm", "q_layernorm"))
+    spec.layers = describe_layers(model, attention, moe_layer_shapes(model, graph_module))
     program = Program(
         graph_module,
         spec,
@@ -149,6 +217,25 @@ def capture(model: torch.nn.Module) -> Capture:
         facts={"captured", "fxllm-attention"},
     )
     return Capture(program, time.perf_counter() - start)
+
+
+def _attention_facts(node: torch.fx.Node) -> dict:
+    """What one captured attention node computes: window, soft-cap, sinks, and the KV heads it reads (before the
+    repeat to the query heads)."""
+    arguments = call_arguments(node)
+    key = arguments["k"]
+    repeat = match_repeat_kv(key)
+    heads = (repeat[0] if repeat else key).meta["val"].shape[1]
+    return {"window": int(arguments["window"]), "softcap": float(arguments["softcap"]),
+            "sinks": arguments["sinks"] is not None, "kv_heads": int(heads)}
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's attention modules in layer order (those with q/k projections or a fused qkv), for describing
+    them; may be shorter than the layers for unusual models, which then go undescribed."""
+    return [m for name, m in model.named_modules()
+            if name.endswith(("self_attn", "attention", "attn")) and any(p.dim() >= 2 for p in m.parameters())
+            and not any(child.endswith(("self_attn", "attention", "attn")) for child, _ in m.named_children())]
 
 
 def _plain_graph_module(unlifted: torch.fx.GraphModule) -> torch.fx.GraphModule:

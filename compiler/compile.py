@@ -17,7 +17,7 @@ from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tok
                                   parse_draft, truncate_layers)
 from fxllm.compiler.pipeline import build_pipeline, check_dtype, parse_pipeline, place_dtype, place_quantization
 from fxllm.progress import status
-from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source, source_architecture
+from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source
 from fxllm.errors import PipelineError, UnsupportedModelError
 from fxllm.runtime.contract import TARGETS
 
@@ -101,8 +101,8 @@ def compile_model(
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
     if draft_source is not None:
-        check_supported(source_architecture(draft_source))
-    check_supported(source_architecture(source))
+        check_supported(draft_source)
+    check_supported(source)
     _check_dump_dir(dump_dir, check_output(output))
     report = CompileReport(Path(output))
 

