@@ -21,8 +21,10 @@ import torch
 from fxllm.compiler.quant.awq import clip_and_quantize, search_scales
 from fxllm.compiler.quant.calibration import (calibration_tokens, check_calibration_source, read_calibration_text,
                                               walk_linears)
+from fxllm.compiler.quant.experts import quantize_experts
 from fxllm.compiler.quant.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_registry import register_pass
+from fxllm.compiler.patterns import logits_projection
 from fxllm.compiler.program import Program
 from fxllm.progress import counter, progress
 from fxllm.compiler.projections import constant, drop_unused_attributes
@@ -104,6 +106,9 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
         _rewrite(program, result, index)
     if embedding != "float":
         _quantize_embedding(program, _side_format(embedding, group_size))
+    expert_rows, expert_notes = quantize_experts(program, main_fmt)
+    layers += expert_rows
+    program.spec.notes += [f"quantize: {note}" for note in expert_notes]
     drop_unused_attributes(program)
     program.spec.notes.append(
         f"quantize: {method}" + (f", group size {group_size}" + (", asymmetric" if zero_point else "")
@@ -145,8 +150,7 @@ def _side_format(mode: str, group_size: int) -> QuantFormat:
 
 
 def _logits_linear(program: Program) -> Node | None:
-    logits = program.output_node().args[0][0]
-    return logits if getattr(logits, "target", None) is aten.linear.default else None
+    return logits_projection(program.output_node().args[0][0], {aten.linear.default})
 
 
 def _quantize_all(program: Program, formats: dict[Node, QuantFormat], method: str, tokens: torch.Tensor | None,
@@ -346,6 +350,8 @@ def _keep_gguf_blocks(program: Program) -> Program:
                     program.graph.get_attr(codes), program.graph.get_attr(scales), node.args[1], 32, True))
             node.replace_all_uses_with(replacement)
             program.graph.erase_node(node)
+        elif weights.type_of(str(node.args[0].target)) in ("Q8_0", "Q4_0"):  # an untied embedding of its own
+            _keep_embedding_blocks(program, node, weights)
         elif weights.type_of(str(node.args[0].target)) not in FLOAT_TYPES:
             fallbacks[str(node.args[0].target)] = str(weights.type_of(str(node.args[0].target)))
     drop_unused_attributes(program)
@@ -359,3 +365,20 @@ def _keep_gguf_blocks(program: Program) -> Program:
     program.spec.notes.append(note)
     program.diagnostics = {"layers": layers, "fallbacks": fallbacks, "seconds": round(time.perf_counter() - start, 2)}
     return program
+
+
+def _keep_embedding_blocks(program: Program, node: Node, weights: GGUFWeights) -> None:
+    """embedding(W, ids) → dequant_embedding of the GGUF's own symmetric blocks of W (codes [vocab, hidden] one per
+    byte, as ONNX's Gather needs; float16 scales [vocab, hidden / 32])."""
+    name = str(node.args[0].target)
+    blocks = weights.blocks(name, constant(program, node.args[0]).detach(), 1, 1)
+    prefix = f"gguf_embedding_{node.name}"
+    program.graph_module.register_buffer(f"{prefix}_codes", blocks.codes.contiguous())
+    program.graph_module.register_buffer(f"{prefix}_scales{HALF_SUFFIX}", blocks.scales.t().contiguous())
+    graph = program.graph
+    with graph.inserting_before(node):
+        replacement = graph.call_function(torch.ops.fxllm.dequant_embedding.default, (
+            graph.get_attr(f"{prefix}_codes"), graph.get_attr(f"{prefix}_scales{HALF_SUFFIX}"), node.args[1],
+            blocks.fmt.group_size))
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)

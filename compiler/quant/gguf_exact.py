@@ -109,6 +109,8 @@ class GGUFWeights:
         'model.') → 'blk.0.attn_q.weight'."""
         parts = hf_name.removesuffix(".weight").split(".")
         base = next((found for i in range(len(parts)) if (found := self.names.get_name(".".join(parts[i:])))), None)
+        if base is None and parts[-1] == "lm_head":  # some name maps have no output tensor (Gemma 2: always tied)
+            base = "output"
         if base is None:
             return None
         if base == "output" and "output.weight" not in self.tensors:  # tied: the lm_head is the token embedding
