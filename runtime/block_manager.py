@@ -20,9 +20,12 @@ from fxllm.runtime.block_pool import ROOT_HASH, BlockPool, OutOfBlocks, block_ha
 __all__ = ["BlockManager", "OutOfBlocks"]
 
 
+RELEASED = -1  # a table entry whose block was given back because no layer can see its positions any more
+
+
 @dataclass
 class _Sequence:
-    blocks: list[int]  # block table: logical block i -> physical block id
+    blocks: list[int]  # block table: logical block i -> physical block id, or RELEASED
     tokens: list[int]  # committed tokens, i.e. whose KV is in the pool
     reserved: int  # token slots the table covers; >= len(tokens)
     hashes: list[bytes] = field(default_factory=list)  # chained hash of each full committed block (prefix caching)
@@ -83,7 +86,11 @@ class BlockManager:
         return seq_id in self._seqs
 
     def block_table(self, seq_id: int) -> list[int]:
-        return list(self._seq(seq_id).blocks)
+        """The physical block of each logical block; a released block's entry names another block of the sequence
+        (the model reads it, its mask hides it)."""
+        blocks = self._seq(seq_id).blocks
+        stand_in = next((block for block in blocks if block != RELEASED), 0)
+        return [stand_in if block == RELEASED else block for block in blocks]
 
     def num_tokens(self, seq_id: int) -> int:
         """Committed tokens: positions whose KV is in the pool."""
@@ -105,7 +112,7 @@ class BlockManager:
         """Fraction of the allocated slots (a shared block counted once) that no live sequence has reserved."""
         filled: dict[int, int] = {}
         for seq in self._seqs.values():
-            for i, block in enumerate(seq.blocks):
+            for i, block in self._held(seq):
                 filled[block] = max(filled.get(block, 0), min(self.block_size, seq.reserved - i * self.block_size))
         allocated = len(filled) * self.block_size
         return (allocated - sum(filled.values())) / allocated if allocated else 0.0
@@ -160,6 +167,19 @@ class BlockManager:
         seq.reserved += count
         return copies
 
+    def release_before(self, seq_id: int, position: int) -> int:
+        """Give back the blocks all of whose positions lie before `position` (a sliding window no longer reaches
+        them: nothing will read their KV again); they leave the table as RELEASED entries, and cached ones stay
+        in the prefix cache for other prompts. Returns how many were released."""
+        seq = self._seq(seq_id)
+        released = 0
+        for i in range(min(max(position, 0) // self.block_size, self.blocks_needed(len(seq.tokens)))):
+            if seq.blocks[i] != RELEASED:
+                self._pool.release(seq.blocks[i])
+                seq.blocks[i] = RELEASED
+                released += 1
+        return released
+
     def release_slots(self, seq_id: int) -> None:
         """Give back the slots reserved past the committed tokens (speculative decoding rolls back its rejected
         draft tokens): the table keeps only the blocks its committed tokens need; the others, which hold no
@@ -200,7 +220,7 @@ class BlockManager:
         parent = self._seq(parent_id)
         if child_id in self._seqs:
             raise GenerationError(f"cannot fork into sequence {child_id}: it already exists")
-        for block in parent.blocks:
+        for _, block in self._held(parent):
             self._pool.acquire(block)
         self._seqs[child_id] = _Sequence(list(parent.blocks), list(parent.tokens), parent.reserved,
                                          list(parent.hashes))
@@ -210,7 +230,7 @@ class BlockManager:
         del self._seqs[seq_id]
         # Tail first: eviction takes the least recently released, and the tail is the part other prompts are least
         # likely to share.
-        for block in reversed(seq.blocks):
+        for _, block in reversed(self._held(seq)):
             self._pool.release(block)
 
     # ---- consistency
@@ -219,14 +239,15 @@ class BlockManager:
         """Raise AssertionError naming the first broken invariant of the block bookkeeping."""
         owners = [0] * self.num_blocks
         for sid, seq in self._seqs.items():
-            expect(len(set(seq.blocks)) == len(seq.blocks), f"sequence {sid} holds a block twice: {seq.blocks}")
+            held = self._held(seq)
+            expect(len({block for _, block in held}) == len(held), f"sequence {sid} holds a block twice: {seq.blocks}")
             expect(len(seq.blocks) == self.blocks_needed(seq.reserved),
                    f"sequence {sid} has {len(seq.blocks)} blocks for {seq.reserved} reserved slots")
             expect(len(seq.tokens) <= seq.reserved,
                    f"sequence {sid} committed {len(seq.tokens)} tokens into {seq.reserved} slots")
             full = len(seq.tokens) // self.block_size if self.enable_prefix_caching else 0
             expect(len(seq.hashes) == full, f"sequence {sid} has {len(seq.hashes)} block hashes, expected {full}")
-            for i, block in enumerate(seq.blocks):
+            for i, block in held:
                 owners[block] += 1
                 cached = self._pool.cached_hash(block)
                 expect(cached is None or i < len(seq.hashes) and seq.hashes[i] == cached,
@@ -234,6 +255,11 @@ class BlockManager:
         self._pool.check_invariants(owners, self.enable_prefix_caching)
 
     # ---- internals
+
+    @staticmethod
+    def _held(seq: _Sequence) -> list[tuple[int, int]]:
+        """(logical index, block) of the blocks the sequence holds (RELEASED entries left out)."""
+        return [(i, block) for i, block in enumerate(seq.blocks) if block != RELEASED]
 
     def _seq(self, seq_id: int) -> _Sequence:
         seq = self._seqs.get(seq_id)

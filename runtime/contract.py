@@ -124,6 +124,17 @@ class ModelSpec:
     dtype: str = "float32"
     notes: list[str] = field(default_factory=list)
     source_num_kv_heads: int | None = None  # set when a pass changed the KV heads (gqa conversion)
+    # Per layer: how many keys a query sees (itself included) under a sliding window, 0 for full attention; empty
+    # when no layer slides. The paged runtime releases blocks no layer can see any more when every layer slides.
+    sliding_windows: list[int] = field(default_factory=list)
+    # Per layer, for people (`fxllm inspect`): attention variant, position encoding, QK-norm, MoE shape.
+    layers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def attention_span(self) -> int:
+        """Keys any layer's query can see: the largest sliding window when every layer slides, else 0 (the whole
+        context)."""
+        return max(self.sliding_windows) if self.sliding_windows and all(self.sliding_windows) else 0
 
     def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
         """Bytes of K and V cache one token occupies across all layers (elements of the model's dtype unless

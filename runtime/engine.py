@@ -59,7 +59,8 @@ class Engine:
             from fxllm.runtime.block_manager import BlockManager
 
             manager = BlockManager(blocks, self.block_size, prefix_caching)
-            scheduler = PagedScheduler(manager, max_batch, max_tokens_per_step, speculative=bool(self.speculator))
+            scheduler = PagedScheduler(manager, max_batch, max_tokens_per_step, speculative=bool(self.speculator),
+                                       attention_span=self.spec.attention_span)
         else:  # speculative decoding on a contiguous cache verifies one request at a time
             scheduler = StaticBatchScheduler(1 if self.speculator else max_batch)
         self.core = EngineCore(self.runner, scheduler, tokenizer, eos_token_ids, self.max_context,

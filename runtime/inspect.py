@@ -63,6 +63,7 @@ def _render(info: dict[str, Any]) -> str:
           if "paged" in info else []),
         f"size         {_mb(info['bytes']['total'])}: "
         + ", ".join(f"{k} {_mb(v)}" for k, v in info["bytes"]["files"].items() if v > 2**20),
+        *_layer_lines(spec.get("layers") or []),
         "passes",
     ]
     for record in info["passes"]:
@@ -79,6 +80,35 @@ def _render(info: dict[str, Any]) -> str:
     for note in spec.get("notes", []):
         lines.append(f"note         {note}")
     return "\n".join(lines)
+
+
+def _layer_lines(layers: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct layer description, naming its layers: 'layers 0,2   sliding 4096, rope full'."""
+    groups: dict[str, list[int]] = {}
+    for index, layer in enumerate(layers):
+        parts = [f"attention {layer.get('attention', '?')}"]
+        if layer.get("softcap"):
+            parts.append(f"softcap {layer['softcap']:g}")
+        if layer.get("sinks"):
+            parts.append("sinks")
+        parts.append(f"rope {layer.get('rope', '?')}")
+        if layer.get("qk_norm"):
+            parts.append("qk-norm")
+        if layer.get("moe"):
+            parts.append(f"MoE {layer['moe']['experts']} experts, top {layer['moe']['top_k']}")
+        groups.setdefault(", ".join(parts), []).append(index)
+    return [f"{'layers ' + _ranges(indices):<13}{text}" for text, indices in groups.items()]
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 4] → '0-2,4'."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
 def _folded(signature: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -176,6 +176,8 @@ def _spec(data: dict[str, Any], fields_: _Fields) -> ModelSpec:
             fields_.fail(f"spec.{name}", "must be >= 1")
     if spec.num_heads % spec.num_kv_heads:
         fields_.fail("spec.num_kv_heads", f"({spec.num_kv_heads}) must divide num_heads ({spec.num_heads})")
+    if spec.sliding_windows and (len(spec.sliding_windows) != spec.num_layers or min(spec.sliding_windows) < 0):
+        fields_.fail("spec.sliding_windows", f"must give a window >= 0 for each of the {spec.num_layers} layers")
     if spec.dtype not in FLOAT_DTYPES:
         fields_.fail("spec.dtype", f"must be one of {', '.join(FLOAT_DTYPES)}")
     for token in (*spec.eos_token_ids, spec.bos_token_id, spec.pad_token_id):

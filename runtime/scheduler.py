@@ -90,13 +90,16 @@ class _Queues:
 
 class PagedScheduler(_Queues):
     def __init__(self, manager: BlockManager, max_batch: int = 64, max_tokens_per_step: int = 512,
-                 speculative: bool = False):
+                 speculative: bool = False, attention_span: int = 0):
+        """attention_span > 0: no layer's query sees keys more than attention_span - 1 positions back (every layer
+        slides, spec.attention_span); blocks wholly before the next query's window are released as it moves."""
         super().__init__(max_batch)
         if max_tokens_per_step < 1:
             raise GenerationError(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
         self.manager = manager
         self.speculative = speculative
         self.max_tokens_per_step = max_tokens_per_step
+        self.attention_span = attention_span
         self.peak_blocks_used = 0
         self.peak_waste = 0.0
         self._prefilling: Request | None = None  # admitted, prompt partly computed
@@ -150,6 +153,8 @@ class PagedScheduler(_Queues):
             request.num_computed_tokens += len(keep)
             if len(keep) < len(chunk):
                 self.manager.release_slots(request.seq_id)
+            if self.attention_span:  # the next query is at num_computed_tokens: it sees the span ending there
+                self.manager.release_before(request.seq_id, request.num_computed_tokens - self.attention_span + 1)
         if batch.kind == PREFILL and batch.sample:
             self._prefilling = None
             self.running.append(batch.requests[0])
