@@ -55,15 +55,20 @@ def test_spec_records_model_facts(make_tiny_model):
     assert spec.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4
 
 
-def test_sliding_window_caps_the_context(tmp_path, tokenizer):
+def test_sliding_window_is_carried_by_each_attention_node(tmp_path, tokenizer):
+    """The window rides on the op (the context stays the model's), and the spec records it per layer."""
     from transformers import MistralConfig, MistralForCausalLM
 
     from tests.conftest import TINY_COMMON
 
     torch.manual_seed(0)
     MistralForCausalLM(MistralConfig(**TINY_COMMON, sliding_window=64)).save_pretrained(tmp_path)
-    spec = capture(load_model(resolve_source(tmp_path))).program.spec
-    assert spec.max_positions == 64 and "sliding window" in spec.notes[0]
+    program = capture(load_model(resolve_source(tmp_path))).program
+    windows = [n.args[4] for n in program.graph.nodes if n.target is torch.ops.fxllm.attention.default]
+    assert windows == [64, 64]
+    assert program.spec.max_positions == TINY_COMMON["max_position_embeddings"]
+    assert program.spec.sliding_windows == [64, 64] and program.spec.attention_span == 64
+    assert [layer["attention"] for layer in program.spec.layers] == ["sliding 64", "sliding 64"]
 
 
 def test_pass_option_types_come_from_defaults_and_annotations():

@@ -54,10 +54,11 @@ def test_directory_without_a_model(capsys, tmp_path):
     assert_one_line_error(code, err, "holds no model: expected config.json")
 
 
-@pytest.mark.parametrize("name,architecture", [("bert", "BertForMaskedLM"), ("t5", "T5ForConditionalGeneration")])
-def test_unsupported_architecture(capsys, tmp_path, tiny_unsupported, name, architecture):
+@pytest.mark.parametrize("name,message", [("bert", "BertForMaskedLM is not a causal language model"),
+                                          ("t5", "T5ForConditionalGeneration is an encoder-decoder model")])
+def test_unsupported_architecture(capsys, tmp_path, tiny_unsupported, name, message):
     code, _, err = run_cli(capsys, "compile", str(tiny_unsupported[name]), "-o", str(tmp_path / "out"))
-    assert_one_line_error(code, err, f"unsupported architecture '{architecture}'")
+    assert_one_line_error(code, err, message)
 
 
 def test_unknown_pass_and_impossible_order(capsys, tmp_path, make_tiny_model):

@@ -16,7 +16,7 @@ from fxllm.errors import ModelSourceError
 def test_default_model_resolves_to_the_packaged_gguf():
     source = resolve_source(DEFAULT_MODEL)
     assert source.gguf_file == DEFAULT_MODEL_FILE and (source.directory / DEFAULT_MODEL_FILE).is_file()
-    assert source_architecture(source) == "LlamaForCausalLM"
+    assert source_architecture(source) == "gguf:llama"
 
 
 def test_gguf_file_path_and_directory_both_resolve(tmp_path):

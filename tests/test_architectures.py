@@ -1,0 +1,281 @@
+"""Model coverage: tiny random-weight models (2 layers, SmolLM2's tokenizer) of the decoder-only families people
+deploy compile with the default pipeline and give transformers' greedy tokens, single and batched; their TensorRT
+form passes the audit. Attention variants (sliding windows shorter than the prompts, soft-capping, sinks), partial
+or absent rotary embeddings, QK-norm, scaled or soft-capped logits and mixture-of-experts layers are all in the
+matrix. Models with a feature fxllm cannot express are refused in one line naming it, with nothing written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxllm
+from fxllm.cli import main
+from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source
+from fxllm.errors import UnsupportedModelError
+from tests.conftest import PROMPTS
+from tests.gguf_files import TINY_ARCHITECTURES, tiny_hf_model, write_gguf
+
+WINDOW = 8  # shorter than every prompt plus its 32 new tokens: the windows are exercised
+NEW_TOKENS = 32
+COMMON = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+              max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+GQA = dict(num_key_value_heads=2)
+MOE = dict(num_experts_per_tok=2)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One row of the matrix: the transformers config class, its fields beyond COMMON, the features the compiled
+    artifact's spec must show (FEATURES; checked by the test) and what else the model exercises."""
+
+    config_class: str
+    fields: dict
+    features: tuple[str, ...] = ()
+    also: str = ""
+
+
+SLIDING, SOFTCAP, SINKS, MOE_LAYERS = "sliding window", "attention soft-capping", "attention sinks", "MoE"
+PARTIAL_ROPE, NO_ROPE, QK_NORM, LEARNED = "partial RoPE", "layers without RoPE", "QK-norm", "learned positions"
+FEATURES = (SLIDING, SOFTCAP, SINKS, MOE_LAYERS, PARTIAL_ROPE, NO_ROPE, QK_NORM, LEARNED)
+
+ARCHITECTURES = {
+    "qwen3": Arch("Qwen3Config", dict(**GQA, intermediate_size=96, head_dim=16, use_sliding_window=True,
+                                      sliding_window=WINDOW, max_window_layers=1), (SLIDING, QK_NORM),
+                  "a full then a sliding layer"),
+    "qwen3_moe": Arch("Qwen3MoeConfig", dict(**GQA, **MOE, intermediate_size=96, head_dim=16, num_experts=4,
+                                             moe_intermediate_size=32, norm_topk_prob=True), (MOE_LAYERS, QK_NORM)),
+    "mixtral": Arch("MixtralConfig", dict(**GQA, **MOE, intermediate_size=32, num_local_experts=4,
+                                          sliding_window=WINDOW), (SLIDING, MOE_LAYERS)),
+    "gemma": Arch("GemmaConfig", dict(**GQA, intermediate_size=96, head_dim=16), (),
+                  "scaled embeddings, (1 + w) norms"),
+    "gemma2": Arch("Gemma2Config", dict(**GQA, intermediate_size=96, head_dim=16, sliding_window=WINDOW,
+                                        query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                        final_logit_softcapping=3.0), (SLIDING, SOFTCAP),
+                   "alternating windows, final-logit soft-capping"),
+    "gemma3": Arch("Gemma3TextConfig", dict(**GQA, intermediate_size=96, head_dim=16, sliding_window=WINDOW,
+                                            sliding_window_pattern=2, query_pre_attn_scalar=24,
+                                            final_logit_softcapping=3.0), (SLIDING, QK_NORM),
+                   "alternating windows, final-logit soft-capping"),
+    "phi3": Arch("Phi3Config", dict(**GQA, intermediate_size=96, sliding_window=WINDOW, partial_rotary_factor=0.5),
+                 (SLIDING, PARTIAL_ROPE), "fused qkv and gate/up"),
+    "phi": Arch("PhiConfig", dict(intermediate_size=96, partial_rotary_factor=0.5, qk_layernorm=True),
+                (PARTIAL_ROPE, QK_NORM), "multi-head attention, parallel blocks"),
+    "gpt_neox": Arch("GPTNeoXConfig", dict(intermediate_size=96, rotary_pct=0.25), (PARTIAL_ROPE,),
+                     "no KV-head field in the config"),
+    "starcoder2": Arch("Starcoder2Config", dict(**GQA, intermediate_size=96, sliding_window=WINDOW), (SLIDING,)),
+    "granite": Arch("GraniteConfig", dict(**GQA, intermediate_size=96, embedding_multiplier=12.0, logits_scaling=8.0,
+                                          residual_multiplier=0.22, attention_multiplier=0.05), (),
+                    "scaled embeddings, residuals, attention and logits"),
+    "smollm3": Arch("SmolLM3Config", dict(**GQA, intermediate_size=96, no_rope_layer_interval=2,
+                                          use_sliding_window=True, sliding_window=WINDOW), (SLIDING, NO_ROPE)),
+    "gpt_oss": Arch("GptOssConfig", dict(**GQA, **MOE, intermediate_size=32, head_dim=16, sliding_window=WINDOW,
+                                         num_local_experts=4), (SLIDING, SINKS, MOE_LAYERS),
+                    "experts with biases and a clamped SwiGLU"),
+    "falcon": Arch("FalconConfig", dict(), (), "multi-query; its attention calls scaled_dot_product_attention"),
+    "opt": Arch("OPTConfig", dict(ffn_dim=96, word_embed_proj_dim=64), (LEARNED,), "pre-scaled queries"),
+    "ministral": Arch("MinistralConfig", dict(**GQA, intermediate_size=96, head_dim=16, sliding_window=WINDOW,
+                                              layer_types=["sliding_attention", "full_attention"]), (SLIDING,)),
+    "mistral": Arch("MistralConfig", dict(**GQA, intermediate_size=96, sliding_window=WINDOW), (SLIDING,)),
+}
+
+
+def features_of(layers: list[dict]) -> set[str]:
+    """The FEATURES an artifact's per-layer description (spec.layers) shows."""
+    found = set()
+    for layer in layers:
+        rope = layer["rope"]
+        shown = {SLIDING: layer["attention"].startswith("sliding"), SOFTCAP: bool(layer.get("softcap")),
+                 SINKS: bool(layer.get("sinks")), MOE_LAYERS: bool(layer.get("moe")),
+                 QK_NORM: bool(layer.get("qk_norm")), PARTIAL_ROPE: rope.startswith("partial"),
+                 NO_ROPE: rope == "none", LEARNED: rope == "learned positions"}
+        found |= {feature for feature, present in shown.items() if present}
+    return found
+
+
+def build_model(arch: str, directory: Path, tokenizer) -> Path:
+    import transformers
+
+    entry = ARCHITECTURES[arch]
+    config = getattr(transformers, entry.config_class)(**{**COMMON, **entry.fields})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def transformers_tokens(directory: Path, tokenizer, prompts: list[str]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    return reference_tokens(AutoModelForCausalLM.from_pretrained(directory).eval(), tokenizer, prompts)
+
+
+def reference_tokens(model, tokenizer, prompts: list[str]) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt alone, EOS ignored."""
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        with torch.no_grad():
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                                       pad_token_id=tokenizer.pad_token_id)
+        out.append(generated[0, ids.shape[1]:].tolist())
+    return out
+
+
+def engine_tokens(artifact: Path, prompts: list[str], **load) -> tuple[list[list[int]], list[list[int]]]:
+    """(one prompt at a time, all prompts in one call) greedy tokens, EOS ignored."""
+    engine = fxllm.load(artifact, **load)
+    engine.eos_token_ids = set()
+    single = [engine.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids for prompt in prompts]
+    batched = [result.token_ids for result in engine.generate(prompts, max_new_tokens=NEW_TOKENS)]
+    return single, batched
+
+
+def audit_findings(artifact: Path, capsys) -> int:
+    import json
+
+    capsys.readouterr()
+    main(["inspect", str(artifact), "--check", "tensorrt", "--json"])
+    return len(json.loads(capsys.readouterr().out)["findings"])
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.xdist_group(f"arch-{a}")) for a in ARCHITECTURES])
+def test_compiles_and_matches_transformers(arch, tokenizer, tmp_path, capsys):
+    directory = build_model(arch, tmp_path / arch, tokenizer)
+    expected = transformers_tokens(directory, tokenizer, PROMPTS)
+    fxllm.compile(directory, tmp_path / "ort")
+    single, batched = engine_tokens(tmp_path / "ort", PROMPTS)
+    assert single == expected and batched == expected
+    assert features_of(fxllm.load(tmp_path / "ort").spec.layers) == set(ARCHITECTURES[arch].features)
+    fxllm.compile(directory, tmp_path / "trt", target="tensorrt")
+    assert audit_findings(tmp_path / "trt", capsys) == 0
+    assert engine_tokens(tmp_path / "trt", PROMPTS[:2])[0] == expected[:2]
+
+
+# Every architecture transformers' GGUF loader reads that tests/gguf_files can write; Mistral is left out because
+# transformers cannot read a Mistral GGUF back (it looks 'mistral' up among gguf-py's architectures, which have none).
+GGUF_ARCHITECTURES = [a for a in TINY_ARCHITECTURES if a != "mistral"]
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.xdist_group(f"gguf-{a}"))
+                                  for a in GGUF_ARCHITECTURES])
+def test_gguf_architectures_keep_their_blocks_and_match_transformers(arch, tmp_path, capsys):
+    """A Q8_0 GGUF of each architecture (written with the `gguf` package from a tiny random model with a 2,048-token
+    cut of SmolLM2's tokenizer) compiles keeping its blocks, gives the greedy tokens of transformers' model loaded
+    from the same file, single and batched, and its TensorRT form passes the audit."""
+    path = write_gguf(tiny_hf_model(arch, tmp_path / "hf"), tmp_path / "gguf" / f"{arch}.Q8_0.gguf", "Q8_0")
+    source = resolve_source(str(path))
+    expected = reference_tokens(load_model(source), load_tokenizer(source), PROMPTS)
+    report = fxllm.compile(str(path), tmp_path / "ort")
+    quantize = next(r for r in report.records if r.name == "quantize")
+    assert quantize.diagnostics["fallbacks"] == {} and all(layer["note"] == "gguf Q8_0 kept"
+                                                           for layer in quantize.diagnostics["layers"])
+    single, batched = engine_tokens(tmp_path / "ort", PROMPTS)
+    assert single == expected and batched == expected
+    fxllm.compile(str(path), tmp_path / "trt", target="tensorrt")
+    assert audit_findings(tmp_path / "trt", capsys) == 0
+
+
+PAGED = "cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size=4"
+MIXED = PROMPTS + ["Hello", "One two three four five six seven eight nine ten eleven twelve thirteen"]
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.xdist_group(f"arch-{a}-variants"))
+                                  for a in ("mistral", "gemma2", "gpt_oss")])
+def test_variants_through_paged_and_int8(arch, tokenizer, tmp_path):
+    """One sliding-window (every layer slides: blocks behind the window are released), one soft-capped, one MoE
+    model (with sinks): paged with mixed lengths, also under a pool that forces preemption, equals the contiguous
+    artifact; int8 compiles and reports its drift."""
+    directory = build_model(arch, tmp_path / arch, tokenizer)
+    fxllm.compile(directory, tmp_path / "contiguous")
+    expected, _ = engine_tokens(tmp_path / "contiguous", MIXED)
+    fxllm.compile(directory, tmp_path / "paged", passes=PAGED)
+    for blocks in (None, 20):
+        single, batched = engine_tokens(tmp_path / "paged", MIXED, **({"kv_blocks": blocks} if blocks else {}))
+        assert single == expected and batched == expected, blocks
+    report = fxllm.compile(directory, tmp_path / "int8", quant="int8")
+    drift = next(r for r in report.records if r.name == "quantize").drift
+    assert 0 < drift.mean_kl < 0.05 and drift.greedy_agreement >= 0.5
+    print(f"{arch} int8 drift: max|Δlogit| {drift.max_abs_logit:.3g}, KL {drift.mean_kl:.2g}, "
+          f"greedy {drift.greedy_agreement:.0%}")
+
+
+def test_sliding_window_blocks_are_released(tokenizer, tmp_path):
+    """Every Mistral layer slides: a paged sequence holds only the blocks its window reaches, not its context."""
+    directory = build_model("mistral", tmp_path / "mistral", tokenizer)
+    fxllm.compile(directory, tmp_path / "paged", passes=PAGED)
+    engine = fxllm.load(tmp_path / "paged", kv_blocks=64)
+    engine.eos_token_ids = set()
+    engine.generate(["Paris is"] * 4, max_new_tokens=100)
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0
+    assert stats.peak_kv_blocks_used <= 4 * (WINDOW // 4 + 2) < 4 * (102 // 4)  # blocks of 4 tokens
+
+
+def test_mistral_window_over_three_windows_of_prompt(tokenizer, tmp_path):
+    """A prompt of more than 3 windows (and 32 tokens on top) equals transformers, contiguous and paged."""
+    directory = build_model("mistral", tmp_path / "mistral", tokenizer)
+    prompt = " ".join(["one two three four five six seven eight"] * 4)
+    assert len(tokenizer(prompt)["input_ids"]) >= 3 * WINDOW
+    expected = transformers_tokens(directory, tokenizer, [prompt])
+    fxllm.compile(directory, tmp_path / "contiguous")
+    fxllm.compile(directory, tmp_path / "paged", passes=PAGED)
+    for artifact in ("contiguous", "paged"):
+        assert engine_tokens(tmp_path / artifact, [prompt])[0] == expected, artifact
+    assert fxllm.load(tmp_path / "contiguous").spec.max_positions == COMMON["max_position_embeddings"]
+
+
+def _bloom(directory: Path) -> None:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    BloomForCausalLM(BloomConfig(vocab_size=100, hidden_size=32, n_head=2, n_layer=1)).save_pretrained(directory)
+
+
+def _falcon_alibi(directory: Path) -> None:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    FalconForCausalLM(FalconConfig(vocab_size=100, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+                                   alibi=True)).save_pretrained(directory)
+
+
+def _mamba(directory: Path) -> None:
+    from transformers import MambaConfig, MambaForCausalLM
+
+    MambaForCausalLM(MambaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, state_size=4)
+                     ).save_pretrained(directory)
+
+
+def _t5(directory: Path) -> None:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)
+                               ).save_pretrained(directory)
+
+
+@pytest.mark.parametrize("make, feature", [(_bloom, "ALiBi attention"), (_falcon_alibi, "ALiBi attention"),
+                                           (_mamba, "recurrent/state-space layers"), (_t5, "encoder-decoder")])
+def test_unsupported_features_are_refused_by_name(make, feature, tmp_path, capsys):
+    make(tmp_path / "model")
+    with pytest.raises(UnsupportedModelError, match=feature):
+        fxllm.compile(tmp_path / "model", tmp_path / "out")
+    capsys.readouterr()  # save_pretrained's progress bars
+    assert main(["compile", str(tmp_path / "model"), "-o", str(tmp_path / "out")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and feature in lines[0], lines
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_readme_architecture_table_is_the_matrix():
+    """README.md's table is generated from this matrix (scripts/architecture_table.py --update); a row added or
+    removed here without regenerating it fails."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "architecture_table.py"
+    result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
