@@ -148,3 +148,24 @@ def make_torch_artifact(tmp_path_factory, make_tiny_model):
         return cache[key]
 
     return make
+
+
+# With `pytest -n 2` (pytest-xdist, `--dist loadgroup`: the README's test command), each group runs on one worker.
+# A test module is its own group, so its module-scoped fixtures are built once; every test that uses the real
+# SmolLM2 joins one group, so its session fixtures (a 60-100 s compile) are built once, not once per worker; the
+# Ray Serve modules share one group, so only one local Ray cluster runs at a time.
+SMOLLM2_FIXTURES = {"smollm2_artifact", "smollm2_model"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        module = item.nodeid.split("::")[0]
+        if SMOLLM2_FIXTURES & set(getattr(item, "fixturenames", ())):
+            group = "smollm2"
+        elif Path(module).name.startswith("test_ray"):
+            group = "ray"
+        else:
+            group = module
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -1,61 +1,34 @@
 """GGUF-exact compiles: a GGUF's own Q4_0 / Q4_1 / Q8_0 blocks become the artifact's int4/int8 blocks as stored.
 
-Tiny random-weight Llama GGUF files are written with the `gguf` package (SmolLM2's tokenizer metadata, 2 layers,
-hidden 64). transformers' GGUF loading (dequantized to float32) is the reference: the artifact, run with float
+Tiny random-weight Llama GGUF files are written with the `gguf` package (2 layers, hidden 64, SmolLM2's tokenizer
+cut to 2,048 tokens: transformers parses a GGUF's vocabulary token by token). transformers' GGUF loading (dequantized to float32) is the reference: the artifact, run with float
 activations, must give its greedy tokens and nearly its logits, while storing no more than the GGUF's bytes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import fxllm
 from fxllm.compiler.pipeline import place_quantization
-from fxllm.compiler.sources import default_model_path, load_model, load_tokenizer, resolve_source
+from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source
 from fxllm.errors import PipelineError
-from tests.gguf_files import copy_metadata
+from tests.gguf_files import tiny_hf_model, write_gguf
 
-HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+LAYERS = 2
 PROMPTS = ["The quick brown fox", "Paris is", "def fibonacci(n):"]
-OVERRIDES = {"llama.block_count": LAYERS, "llama.context_length": 256, "llama.embedding_length": HIDDEN,
-             "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
-             "llama.attention.head_count_kv": KV_HEADS, "llama.rope.dimension_count": HIDDEN // HEADS}
 
 
 def write_tiny_gguf(path: Path, body: str, embedding: str = "Q8_0", exceptions: dict[str, str] | None = None,
                     seed: int = 0) -> Path:
-    """A 2-layer Llama GGUF with SmolLM2's tokenizer: projections stored as `body`, token_embd (tied lm_head) as
-    `embedding`, norms float32; `exceptions` maps tensor names to other types."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import GGUFReader, GGUFWriter
-    from gguf.quants import quantize
-
-    writer = GGUFWriter(path, "llama")
-    copy_metadata(GGUFReader(default_model_path()), writer, OVERRIDES)
-    generator = np.random.default_rng(seed)
-    head_dim = HIDDEN // HEADS
-    shapes = {"token_embd.weight": (49152, HIDDEN), "output_norm.weight": (HIDDEN,)}
-    for layer in range(LAYERS):
-        shapes |= {f"blk.{layer}.attn_norm.weight": (HIDDEN,), f"blk.{layer}.ffn_norm.weight": (HIDDEN,),
-                   f"blk.{layer}.attn_q.weight": (HIDDEN, HIDDEN), f"blk.{layer}.attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
-                   f"blk.{layer}.attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
-                   f"blk.{layer}.attn_output.weight": (HIDDEN, HIDDEN), f"blk.{layer}.ffn_gate.weight": (FFN, HIDDEN),
-                   f"blk.{layer}.ffn_up.weight": (FFN, HIDDEN), f"blk.{layer}.ffn_down.weight": (HIDDEN, FFN)}
-    for name, shape in shapes.items():
-        if len(shape) == 1:
-            writer.add_tensor(name, (1 + 0.1 * generator.standard_normal(shape)).astype(np.float32))
-            continue
-        values = (generator.standard_normal(shape) * (0.5 if name.startswith("token") else 0.15)).astype(np.float32)
-        kind = Q[(exceptions or {}).get(name, embedding if name.startswith("token") else body)]
-        writer.add_tensor(name, quantize(values, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    """A 2-layer Llama GGUF (tests/gguf_files.tiny_hf_model: hidden 64, a 2,048-token cut of SmolLM2's tokenizer):
+    projections stored as `body`, token_embd (tied lm_head) as `embedding`, norms float32; `exceptions` maps
+    tensor names to other types."""
+    model_dir = tiny_hf_model("llama", path.parent / f"{path.stem}-hf", seed=seed,
+                              overrides={"tie_word_embeddings": True})
+    return write_gguf(model_dir, path, body, tensor_types={"token_embd.weight": embedding, **(exceptions or {})})
 
 
 def gguf_tensor_bytes(path: Path) -> int:
@@ -95,7 +68,7 @@ def q4_1_artifact(q4_1_file, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("body", ["Q4_1", "Q4_0", "Q8_0"])
 def test_gguf_blocks_are_kept_exactly(body, q4_1_file, q4_1_artifact, tmp_path):
     """Default compile of a GGUF: greedy tokens equal transformers' float model's (dequantized from the same file),
-    logits within float rounding, and the artifact's model files no larger than 1.1x the GGUF's tensors."""
+    logits within float rounding, and the artifact's weights no larger than 1.1x the GGUF's tensors."""
     import onnx
 
     path = q4_1_file if body == "Q4_1" else write_tiny_gguf(tmp_path / f"tiny.{body}.gguf", body)
@@ -112,8 +85,12 @@ def test_gguf_blocks_are_kept_exactly(body, q4_1_file, q4_1_artifact, tmp_path):
     assert abs(engine.score(ids) - expected).max() < 1e-3
     manifest = engine.manifest.data
     assert "quantized" in manifest["facts"] and any("keep" in note for note in manifest["spec"]["notes"])
-    model_bytes = sum(f["bytes"] for name, f in manifest["files"].items() if not name.startswith("tokenizer"))
-    assert model_bytes <= 1.1 * gguf_tensor_bytes(path)
+    # the weights (external data) at the GGUF's size; the graph file holds no float copy of a matrix either (the
+    # smallest, a float32 [2048, 64] embedding, would be 512 KiB). At this size the graph's own bytes are a large
+    # share, so the two are bounded apart; on SmolLM2 the whole artifact is within 10% (benchmarks/gguf_exact.py).
+    files = manifest["files"]
+    assert files["model.onnx.data"]["bytes"] <= 1.1 * gguf_tensor_bytes(path)
+    assert files["model.onnx"]["bytes"] < 256 * 1024
     graph = onnx.load(str(artifact / "model.onnx"), load_external_data=False).graph
     types = {i.name: i.data_type for i in graph.initializer}
     codes = [types[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in types]

@@ -177,12 +177,15 @@ def test_int4_zero_points_replace_the_offset_term(asymmetric_program, tmp_path, 
     assert_same_generation(standard, legalized, asymmetric_program, tokenizer, 1e-3)
 
 
-def test_tied_quantized_head_fuses_into_matmulnbits(tmp_path, tokenizer):
+def test_tied_quantized_head_fuses_into_matmulnbits(tmp_path):
     """A GGUF's tied Q8_0 token_embd is the lm_head's weight and the embedding's table in one initializer: only the
     untie step lets ONNX Runtime fuse the lm_head's DequantizeLinear → MatMul (checked in its optimized model)."""
     from tests.test_gguf_exact import write_tiny_gguf
 
-    program = program_of(write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0", embedding="Q8_0"))
+    from fxllm.compiler.sources import load_tokenizer
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0", embedding="Q8_0")
+    program, tokenizer = program_of(path), load_tokenizer(resolve_source(path))  # the file's own small vocabulary
     lowerings = {}
     for name, steps in (("standard", ()), ("untied", ("untie-quantized-head",))):
         path = tmp_path / f"{name}.onnx"
