@@ -287,7 +287,9 @@ def repeated(system: str, run_once: Callable[[], Run], repeats: int) -> Measurem
 
 def fxllm_runner(variant: Variant, threads: int, int8_activations: bool | None) -> Runner:
     """Load the variant's engine once; the runner measures it on any workload."""
-    engine = fxllm.load(variant.artifact, threads=threads, int8_activations=int8_activations)
+    # Prefix caching off: a paged variant's repeated prompt would otherwise be served from the cache after the warm-up
+    # call, and its prefill not measured (contiguous artifacts ignore the option).
+    engine = fxllm.load(variant.artifact, threads=threads, int8_activations=int8_activations, prefix_caching=False)
     # With no EOS ids the engine never stops early, so every run decodes exactly new_tokens tokens.
     engine.eos_token_ids = set()
 
