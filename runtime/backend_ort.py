@@ -34,10 +34,16 @@ class OrtBackend:
         options.log_severity_level = 3
         if not spin:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # ORT fuses DequantizeLinear → MatMul into MatMulNBits. Accuracy level 4 quantizes its activations to int8
-        # per block (fast int8 dot products; what onnxruntime-genai uses on CPU); level 0 keeps them float, exactly
-        # the math of the compiler's drift report, but runs int8 weights ~75x slower (measured: README).
-        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4" if int8_activations else "0")
+        # int8 activations: ORT fuses DequantizeLinear → MatMul into MatMulNBits at accuracy level 4, which
+        # quantizes the activations to int8 per block (fast int8 dot products; what onnxruntime-genai uses on CPU).
+        # Float activations (the math of the compiler's drift report): MatMulNBits at level 0 ran SmolLM2's int4
+        # steps 6.6x slower than float32 weights, so instead the quantized weights are dequantized once, when the
+        # session loads (constant folding, which ORT skips for DequantizeLinear unless its QDQ handling is off):
+        # float32 speed and float32 memory at run time, the quantized file on disk (docs/quantization.md).
+        if int8_activations:
+            options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
+        else:
+            options.add_session_config_entry("session.disable_quant_qdq", "1")
         try:
             self.session = ort.InferenceSession(str(model_path), options, providers=providers or default_providers())
         except Exception as exc:  # onnxruntime raises its own exception types for bad models
