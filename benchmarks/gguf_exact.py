@@ -80,9 +80,9 @@ def check(kind: str, new_tokens: int) -> dict:
         identical += ours == theirs.tolist()
     del model
     evals = {}
-    for label, int8 in (("float", False), ("int8", None)):
+    for label, int8 in (("float", False), ("int8", True)):
         report = evaluate(str(artifact), "britannica", ctx=512, max_tokens=8192, reference=str(path),
-                          int8_activations=False if int8 is False else None)
+                          int8_activations=int8)
         evals[label] = {"perplexity": report.perplexity, "reference_perplexity": report.reference_perplexity,
                         "mean_kl": report.mean_kl, "top1": report.top1_agreement}
     manifest = load_manifest(artifact, verify=False).data
