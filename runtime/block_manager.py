@@ -172,13 +172,16 @@ class BlockManager:
         them: nothing will read their KV again); they leave the table as RELEASED entries, and cached ones stay
         in the prefix cache for other prompts. Returns how many were released."""
         seq = self._seq(seq_id)
-        released = 0
-        for i in range(min(max(position, 0) // self.block_size, self.blocks_needed(len(seq.tokens)))):
-            if seq.blocks[i] != RELEASED:
-                self._pool.release(seq.blocks[i])
-                seq.blocks[i] = RELEASED
-                released += 1
-        return released
+        end = min(max(position, 0) // self.block_size, self.blocks_needed(len(seq.tokens)))
+        # Released entries are always a prefix of the table: find where it ends walking back from `end`, so a step
+        # costs the blocks it releases, not the length of the context; then release oldest first, as before.
+        start = end
+        while start > 0 and seq.blocks[start - 1] != RELEASED:
+            start -= 1
+        for i in range(start, end):
+            self._pool.release(seq.blocks[i])
+            seq.blocks[i] = RELEASED
+        return end - start
 
     def release_slots(self, seq_id: int) -> None:
         """Give back the slots reserved past the committed tokens (speculative decoding rolls back its rejected
