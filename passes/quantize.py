@@ -342,18 +342,19 @@ def _keep_gguf_blocks(program: Program) -> Program:
         if len(names) == 1:
             kept[weights.gguf_name(names[0])] = buffers
     for node in [n for n in program.graph.nodes if n.target is aten.embedding.default]:
-        name = weights.gguf_name(str(node.args[0].target))
-        if name in kept and weights.tensors[name].tensor_type.name == "Q8_0":  # tied: the lm_head's own blocks
+        weight_name = str(node.args[0].target)
+        name, kind = weights.gguf_name(weight_name), weights.type_of(weight_name)
+        if name in kept and kind == "Q8_0":  # tied: the lm_head's own blocks
             codes, scales = kept[name]
             with program.graph.inserting_before(node):
                 replacement = program.graph.call_function(torch.ops.fxllm.dequant_embedding.default, (
                     program.graph.get_attr(codes), program.graph.get_attr(scales), node.args[1], 32, True))
             node.replace_all_uses_with(replacement)
             program.graph.erase_node(node)
-        elif weights.type_of(str(node.args[0].target)) in ("Q8_0", "Q4_0"):  # an untied embedding of its own
+        elif kind in ("Q8_0", "Q4_0"):  # an untied embedding of its own
             _keep_embedding_blocks(program, node, weights)
-        elif weights.type_of(str(node.args[0].target)) not in FLOAT_TYPES:
-            fallbacks[str(node.args[0].target)] = str(weights.type_of(str(node.args[0].target)))
+        elif kind not in FLOAT_TYPES:
+            fallbacks[weight_name] = str(kind)
     drop_unused_attributes(program)
     note = f"quantize: gguf, {len(layers)} layers keep {weights.path.name}'s blocks"
     if fallbacks:
