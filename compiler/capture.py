@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from fxllm.compiler import ops  # noqa: F401 - registers torch.ops.fxllm.*
-from fxllm.compiler.model_features import check_sliding_windows, describe_layers, supports_attention_interface
+from fxllm.compiler.model_features import (check_sliding_windows, describe_layers, supports_attention_interface,
+                                           text_config_of)
 from fxllm.compiler.moe import moe_layer_shapes, register_moe_experts
 from fxllm.compiler.patterns import call_arguments, match_repeat_kv
 from fxllm.compiler.program import Program
@@ -114,7 +115,7 @@ def attention_routed(model: torch.nn.Module) -> Iterator[None]:
 def spec_from_config(config, architecture: str, kv_heads: int | None = None) -> ModelSpec:
     """The model spec from the config; `kv_heads` as the captured attention reads them (configs of MHA models
     often have no KV-head field, and some state a count the attention does not use)."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config_of(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     eos = config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -169,8 +170,7 @@ def capture(model: torch.nn.Module) -> Capture:
     """torch.export the model's logits forward with dynamic batch and sequence length: one fxllm::attention node
     per layer (with its window, soft-cap and sinks), one fxllm::moe_experts node per mixture-of-experts layer."""
     architecture = type(model).__name__
-    vocab_size = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") \
-        else model.config.vocab_size
+    vocab_size = text_config_of(model.config).vocab_size
     start = time.perf_counter()
     batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens")
     dynamic = ({0: batch, 1: tokens}, {0: batch, 1: tokens})
@@ -185,8 +185,7 @@ def capture(model: torch.nn.Module) -> Capture:
         raise UnsupportedModelError(f"torch.export failed for {architecture}: {type(exc).__name__}: {exc}") from exc
     graph_module = _plain_graph_module(exported.module())
     attention_nodes = [n for n in graph_module.graph.nodes if n.target is torch.ops.fxllm.attention.default]
-    layers = model.config.get_text_config().num_hidden_layers if hasattr(model.config, "get_text_config") \
-        else model.config.num_hidden_layers
+    layers = text_config_of(model.config).num_hidden_layers
     if len(attention_nodes) != layers:
         raise UnsupportedModelError(
             f"{architecture}: expected {layers} fxllm.attention nodes after capture, found "

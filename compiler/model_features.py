@@ -24,6 +24,11 @@ STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "mamba_d_
                       "rescale_every", "attention_hidden_size", "d_state")
 
 
+def text_config_of(config):
+    """The config of the language model itself (a multimodal config's text part; the config itself otherwise)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def causal_lm_class_name(config) -> str | None:
     """The AutoModelForCausalLM class transformers has for this config's model type, or None."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -56,7 +61,7 @@ def check_capabilities(config, architecture: str) -> None:
     if declared is not None and declared not in _causal_lm_class_names():
         raise UnsupportedModelError(f"{declared} is not a causal language model (its head is not a causal-LM "
                                     "head; an encoder such as BERT attends in both directions)")
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_config = text_config_of(config)
     for layer, kind in enumerate(getattr(text_config, "layer_types", None) or ()):
         if kind not in ATTENTION_LAYER_TYPES:
             feature = "chunked attention" if "chunk" in str(kind) else "recurrent/state-space layers"
@@ -96,7 +101,7 @@ def supports_attention_interface(model: torch.nn.Module) -> bool:
 def check_sliding_windows(config, windows: list[int], architecture: str) -> None:
     """A layer the config says slides must have reached the attention op with its window: some models build the
     sliding mask themselves and never pass the window to the attention function, and would silently lose it."""
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_config = text_config_of(config)
     window = getattr(text_config, "sliding_window", None)
     if not window or getattr(text_config, "use_sliding_window", True) is False:
         return
@@ -113,7 +118,7 @@ def describe_layers(model: torch.nn.Module, attention: list[dict[str, Any]],
                     experts: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
     """Per layer: the attention variant as captured (window, softcap, sinks), the position encoding and QK-norm
     as the config and modules say, and the MoE shape; what `fxllm inspect` prints."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config_of(model.config)
     rope = _rope_description(config)
     no_rope = getattr(config, "no_rope_layers", None)
     layers = []
