@@ -12,27 +12,12 @@ free list uncached.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from fxllm.errors import GenerationError
 from fxllm.runtime.block_pool import ROOT_HASH, BlockPool, OutOfBlocks, block_hash, expect
+from fxllm.runtime.block_table import RELEASED, SequenceBlocks, is_int
 
 __all__ = ["BlockManager", "OutOfBlocks"]
-
-
-RELEASED = -1  # a table entry whose block was given back because no layer can see its positions any more
-
-
-@dataclass
-class _Sequence:
-    blocks: list[int]  # block table: logical block i -> physical block id, or RELEASED
-    tokens: list[int]  # committed tokens, i.e. whose KV is in the pool
-    reserved: int  # token slots the table covers; >= len(tokens)
-    hashes: list[bytes] = field(default_factory=list)  # chained hash of each full committed block (prefix caching)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class BlockManager:
@@ -41,9 +26,9 @@ class BlockManager:
     logical_block * block_size + i of every sequence whose table maps that logical block to it."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        if not _is_int(num_blocks) or num_blocks < 1:
+        if not is_int(num_blocks) or num_blocks < 1:
             raise GenerationError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
+        if not is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
             raise GenerationError(f"block_size must be a power of two >= 1, got {block_size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -51,7 +36,7 @@ class BlockManager:
         self.prefix_hits = 0  # in blocks
         self.prefix_queries = 0  # in blocks: full prompt blocks looked up in the prefix cache
         self._pool = BlockPool(num_blocks)
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, SequenceBlocks] = {}
 
     # ---- metrics and lookups
 
@@ -88,9 +73,7 @@ class BlockManager:
     def block_table(self, seq_id: int) -> list[int]:
         """The physical block of each logical block; a released block's entry names another block of the sequence
         (the model reads it, its mask hides it)."""
-        blocks = self._seq(seq_id).blocks
-        stand_in = next((block for block in blocks if block != RELEASED), 0)
-        return [stand_in if block == RELEASED else block for block in blocks]
+        return self._seq(seq_id).table_for_the_model()
 
     def num_tokens(self, seq_id: int) -> int:
         """Committed tokens: positions whose KV is in the pool."""
@@ -112,7 +95,7 @@ class BlockManager:
         """Fraction of the allocated slots (a shared block counted once) that no live sequence has reserved."""
         filled: dict[int, int] = {}
         for seq in self._seqs.values():
-            for i, block in self._held(seq):
+            for i, block in seq.held():
                 filled[block] = max(filled.get(block, 0), min(self.block_size, seq.reserved - i * self.block_size))
         allocated = len(filled) * self.block_size
         return (allocated - sum(filled.values())) / allocated if allocated else 0.0
@@ -139,7 +122,7 @@ class BlockManager:
             self._pool.acquire(block)
         blocks = hits + [self._pool.take() for _ in range(self.blocks_needed(len(tokens)) - len(hits))]
         cached = len(hits) * self.block_size
-        self._seqs[seq_id] = _Sequence(blocks, tokens[:cached], len(tokens), hashes)
+        self._seqs[seq_id] = SequenceBlocks(blocks, tokens[:cached], len(tokens), hashes)
         if self.enable_prefix_caching and reuse_cached:
             self.prefix_queries += (len(tokens) - 1) // self.block_size
             self.prefix_hits += len(hits)
@@ -173,11 +156,7 @@ class BlockManager:
         in the prefix cache for other prompts. Returns how many were released."""
         seq = self._seq(seq_id)
         end = min(max(position, 0) // self.block_size, self.blocks_needed(len(seq.tokens)))
-        # Released entries are always a prefix of the table: find where it ends walking back from `end`, so a step
-        # costs the blocks it releases, not the length of the context; then release oldest first, as before.
-        start = end
-        while start > 0 and seq.blocks[start - 1] != RELEASED:
-            start -= 1
+        start = seq.released_prefix_end(end)
         for i in range(start, end):
             self._pool.release(seq.blocks[i])
             seq.blocks[i] = RELEASED
@@ -223,17 +202,16 @@ class BlockManager:
         parent = self._seq(parent_id)
         if child_id in self._seqs:
             raise GenerationError(f"cannot fork into sequence {child_id}: it already exists")
-        for _, block in self._held(parent):
+        for _, block in parent.held():
             self._pool.acquire(block)
-        self._seqs[child_id] = _Sequence(list(parent.blocks), list(parent.tokens), parent.reserved,
-                                         list(parent.hashes))
+        self._seqs[child_id] = parent.copy()
 
     def free(self, seq_id: int) -> None:
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
         # Tail first: eviction takes the least recently released, and the tail is the part other prompts are least
         # likely to share.
-        for _, block in reversed(self._held(seq)):
+        for _, block in reversed(seq.held()):
             self._pool.release(block)
 
     # ---- consistency
@@ -242,7 +220,7 @@ class BlockManager:
         """Raise AssertionError naming the first broken invariant of the block bookkeeping."""
         owners = [0] * self.num_blocks
         for sid, seq in self._seqs.items():
-            held = self._held(seq)
+            held = seq.held()
             expect(len({block for _, block in held}) == len(held), f"sequence {sid} holds a block twice: {seq.blocks}")
             expect(len(seq.blocks) == self.blocks_needed(seq.reserved),
                    f"sequence {sid} has {len(seq.blocks)} blocks for {seq.reserved} reserved slots")
@@ -259,12 +237,7 @@ class BlockManager:
 
     # ---- internals
 
-    @staticmethod
-    def _held(seq: _Sequence) -> list[tuple[int, int]]:
-        """(logical index, block) of the blocks the sequence holds (RELEASED entries left out)."""
-        return [(i, block) for i, block in enumerate(seq.blocks) if block != RELEASED]
-
-    def _seq(self, seq_id: int) -> _Sequence:
+    def _seq(self, seq_id: int) -> SequenceBlocks:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise GenerationError(f"unknown sequence id {seq_id}: not allocated, or already freed")
@@ -287,9 +260,9 @@ class BlockManager:
         # A hit on an unreferenced cached block takes it out of the free pool just like a fresh block.
         return self.blocks_needed(len(tokens)) - len(hits) + sum(self._pool.refs[block] == 0 for block in hits)
 
-    def _append_plan(self, seq: _Sequence, count: int) -> tuple[list[int], int]:
+    def _append_plan(self, seq: SequenceBlocks, count: int) -> tuple[list[int], int]:
         """Logical indices of shared blocks holding a slot still to be written, and how many new blocks are needed."""
-        if not _is_int(count) or count < 0:
+        if not is_int(count) or count < 0:
             raise GenerationError(f"count must be an integer >= 0, got {count!r}")
         end = seq.reserved + count
         cow = []
@@ -298,12 +271,12 @@ class BlockManager:
             cow = [i for i in range(first, len(seq.blocks)) if self._pool.refs[seq.blocks[i]] > 1]
         return cow, self.blocks_needed(end) - len(seq.blocks)
 
-    def _check_range(self, seq_id: int, seq: _Sequence, start: int, count: int) -> None:
+    def _check_range(self, seq_id: int, seq: SequenceBlocks, start: int, count: int) -> None:
         if start < 0 or count < 0 or start + count > seq.reserved:
             raise GenerationError(f"positions [{start}, {start + count}) are outside the {seq.reserved} slots "
                                   f"reserved for sequence {seq_id}")
 
-    def _check_private(self, seq_id: int, seq: _Sequence, start: int, stop: int) -> None:
+    def _check_private(self, seq_id: int, seq: SequenceBlocks, start: int, stop: int) -> None:
         """Writing an uncommitted position of a shared block would corrupt the other owners' KV."""
         size = self.block_size
         first_unwritten = max(start, len(seq.tokens))
@@ -314,7 +287,7 @@ class BlockManager:
                 raise GenerationError(f"sequence {seq_id}'s block {seq.blocks[i]} is shared and would be written; "
                                       "call append_slots first to copy it")
 
-    def _register_full_blocks(self, seq: _Sequence) -> None:
+    def _register_full_blocks(self, seq: SequenceBlocks) -> None:
         size = self.block_size
         for i in range(len(seq.hashes), len(seq.tokens) // size):
             parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
