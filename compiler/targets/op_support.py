@@ -25,6 +25,7 @@ def _registry():
     return _registration.ONNXRegistry.from_torchlib()
 
 
+@functools.cache  # a graph calls a few dozen distinct targets thousands of times, and lint asks after every pass
 def is_supported(target) -> bool:
     from fxllm.compiler.targets.onnx_translations import TRANSLATIONS
 
