@@ -62,9 +62,12 @@ SMOLLM2_LINEARS = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
 def bits_per_weight(name: str) -> float | None:
-    """Stored bits per quantized weight over SmolLM2's projections: the code, plus each block's float32 scale (and
-    float32 offset when asymmetric); the GGUF row stores float16 scales and float32 offsets (5.5 bits)."""
+    """Bits per quantized weight over SmolLM2's projections: the code, plus each block's float16 scale (and offset,
+    counted as wide as the scale, when asymmetric; the ort target stores it as a 4-bit zero point, the tensorrt
+    target as a float32 offset); int8 has float32 per-channel scales; the GGUF row stores float16 scales and float32
+    offsets (5.5 bits)."""
     from fxllm.compiler.quant.numerics import QuantFormat
+    from fxllm.passes.quantize import int4_format
 
     options = CONFIGS[name]
     if name.startswith("gguf"):
@@ -73,7 +76,7 @@ def bits_per_weight(name: str) -> float | None:
         return None
     group = options.get("quant_options", {}).get("group_size", 128)
     fmt = QuantFormat(8, 0) if options["quant"] == "int8" else \
-        QuantFormat(4, group, symmetric=not options["quant_options"].get("zero_point", False))
+        int4_format(group, options["quant_options"].get("zero_point", False))
     total = sum(out * inp for out, inp in SMOLLM2_LINEARS)
     return sum(fmt.bits_per_weight(inp, out) * out * inp for out, inp in SMOLLM2_LINEARS) / total
 
@@ -85,7 +88,7 @@ def measure(name: str, recompile: bool, float_activations: bool) -> dict[str, An
     reference, _ = compile_config(REFERENCE, False)
     start = time.perf_counter()
     report = evaluate(str(directory), "britannica", ctx=512, max_tokens=8192, reference=str(reference),
-                      int8_activations=False if float_activations else None)
+                      int8_activations=not float_activations)
     manifest = load_manifest(directory, verify=False).data
     size = sum(f["bytes"] for file, f in manifest["files"].items() if not file.startswith("tokenizer"))
     return {"name": name, "options": {k: v for k, v in CONFIGS[name].items()}, "float_activations": float_activations,
@@ -112,8 +115,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma list of configuration names (default: all)")
     parser.add_argument("--recompile", action="store_true")
-    parser.add_argument("--float-activations", action="store_true",
-                        help="score with float matmul activations (exact weights-only math)")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="score with int8 matmul activations (default: float activations, the runtime's default "
+                             "and the exact weights-only math)")
     parser.add_argument("--table", action="store_true", help="only print the table of recorded results")
     args = parser.parse_args()
     ROOT.mkdir(parents=True, exist_ok=True)
@@ -123,7 +127,7 @@ def main() -> None:
         if unknown:
             sys.exit(f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
         for name in names:
-            row = measure(name, args.recompile, args.float_activations)
+            row = measure(name, args.recompile, not args.int8_activations)
             with RESULTS.open("a") as out:
                 out.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)

@@ -41,9 +41,9 @@ CALIBRATED = ("int4-gptq", "int4-awq")
 REPORT_SAMPLES = 4  # calibration samples the data-free methods use for their per-layer output errors
 SIDE_MODES = ("float", "int8", "int4")  # lm_head and embedding
 # (group_size, zero_point) when not given: the best measured configuration of at most 5.0 bits per weight for the
-# calibrated methods (asymmetric, group 64: SmolLM2 GPTQ +17.7% perplexity against +27% symmetric group 128; see
-# docs/quantization.md); other methods keep symmetric group 128.
-METHOD_DEFAULTS = {"int4-gptq": (64, True), "int4-awq": (64, True)}
+# calibrated methods (asymmetric, group 32, float16 scales: SmolLM2 AWQ +8.9% perplexity, GPTQ +13.2%, against +17.1%
+# for GPTQ at asymmetric group 64 with float32 scales; see docs/quantization.md); int4-rtn keeps symmetric group 128.
+METHOD_DEFAULTS = {"int4-gptq": (32, True), "int4-awq": (32, True)}
 
 
 @dataclass
@@ -57,7 +57,7 @@ class QuantizedLinear:
     output_error: float | None = None
     rtn_output_error: float | None = None  # round-to-nearest's output error on the same inputs, for comparison
     note: str = ""
-    half_scales: bool = False  # the scales hold float16 values (GGUF blocks): lowering stores them as float16
+    half_scales: bool = False  # the scales hold float16 values though fmt does not say so (GGUF blocks)
 
 
 def _check_pass_options(*, method: str, group_size: int | None, lm_head: str, embedding: str, calib: str,
@@ -87,7 +87,7 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
     head = _logits_linear(program)
     linears = [n for n in program.graph.nodes if n.target is aten.linear.default and n is not head
                and constant(program, n.args[1]) is not None]
-    main_fmt = QuantFormat(8, 0) if method == "int8" else QuantFormat(4, group_size, symmetric=not zero_point)
+    main_fmt = QuantFormat(8, 0) if method == "int8" else int4_format(group_size, zero_point)
     formats = {n: main_fmt for n in linears}
     if head is not None and lm_head != "float":
         formats[head] = _side_format(lm_head, group_size)
@@ -144,9 +144,15 @@ def _check_options(method: str, group_size: int, lm_head: str, embedding: str) -
             raise PipelineError(f"quantize: {name} must be one of {', '.join(SIDE_MODES)}, got '{value}'")
 
 
+def int4_format(group_size: int, zero_point: bool) -> QuantFormat:
+    """The int4 methods' format: blocks of `group_size` input rows, float16 scales (llama.cpp's and AutoGPTQ's
+    width: half the bits of float32 scales for a rounding of the scale far below the code's)."""
+    return QuantFormat(4, group_size, symmetric=not zero_point, half_scales=True)
+
+
 def _side_format(mode: str, group_size: int) -> QuantFormat:
     # Blocked even for int8: ONNX Runtime runs blocked int8 DQ→MatMul as MatMulNBits, per-channel int8 it does not.
-    return QuantFormat(8 if mode == "int8" else 4, group_size)
+    return QuantFormat(8 if mode == "int8" else 4, group_size, half_scales=True)
 
 
 def _logits_linear(program: Program) -> Node | None:
@@ -268,7 +274,7 @@ def _rewrite(program: Program, result: QuantizedLinear, index: int) -> tuple[str
     graph, node = program.graph, result.node
     prefix = f"quantized_{index}"
     codes = f"{prefix}_int{result.fmt.bits}_codes"  # lowering packs the *_int4_codes two per byte
-    scales = f"{prefix}_scales" + (HALF_SUFFIX if result.half_scales else "")
+    scales = f"{prefix}_scales" + (HALF_SUFFIX if result.half_scales or result.fmt.half_scales else "")
     program.graph_module.register_buffer(codes, result.codes.t().contiguous())
     program.graph_module.register_buffer(scales, result.scales.contiguous())
     if result.offsets is not None:

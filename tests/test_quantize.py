@@ -15,7 +15,7 @@ from fxllm.compiler.capture import capture
 from fxllm.compiler.quant.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_manager import run_pipeline
 from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
-from fxllm.compiler.quant.numerics import QuantFormat, dequantize_codes, round_to_nearest
+from fxllm.compiler.quant.numerics import QuantFormat, dequantize_codes, expand_scales, round_to_nearest
 from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source
 from fxllm.compiler.targets.tensorrt_audit import audit_file
 from fxllm.errors import PipelineError
@@ -78,6 +78,22 @@ def test_bits_per_weight_count_scales_and_offsets():
     assert QuantFormat(4, 64, symmetric=False).bits_per_weight(576, 1536) == pytest.approx(5.0)
     assert QuantFormat(4, 128, symmetric=False).bits_per_weight(1536, 576) == pytest.approx(4.5)
     assert QuantFormat(8, 0).bits_per_weight(576, 1536) == pytest.approx(8 + 32 / 576)
+    assert QuantFormat(4, 32, symmetric=False, half_scales=True).bits_per_weight(576, 1536) == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_half_scale_formats_choose_codes_against_float16_scales(symmetric):
+    """The scales a half-scale format stores are float16 values, and the codes are rounded against those (not
+    against the float32 scales they came from): dequantizing with the stored scales is what the graph computes."""
+    weight = torch.randn(48, 96, generator=_generator(7)) * 0.05
+    fmt = QuantFormat(4, 32, symmetric=symmetric, half_scales=True)
+    codes, scales, offsets = round_to_nearest(weight, fmt)
+    assert torch.equal(scales, scales.half().float())
+    float32 = round_to_nearest(weight, QuantFormat(4, 32, symmetric=symmetric))
+    assert not torch.equal(scales, float32.scales)
+    error = (dequantize_codes(codes, scales, fmt, offsets) - weight).abs()
+    step = expand_scales(scales, fmt, 96)  # [out, in]: each element's block scale
+    assert bool((error <= step * (0.5 if symmetric else 1.0) + 1e-7).all())
 
 
 def _correlated_inputs(tokens: int, features: int, seed: int) -> torch.Tensor:
@@ -234,19 +250,23 @@ def test_calibrated_methods_compile_with_per_layer_errors(method, lm_head, embed
 
 
 @pytest.mark.parametrize("method", ["int4-gptq", "int4-awq"])
-def test_calibrated_methods_default_to_asymmetric_group_64(method, make_tiny_model, calibration_file, tmp_path):
-    """Without group_size / zero_point the calibrated methods use METHOD_DEFAULTS (asymmetric, group 64): the
-    lowered blocks are 64 wide and carry zero points (the ort form: UINT4 zero points on the DequantizeLinear)."""
+def test_calibrated_methods_default_to_asymmetric_group_32(method, make_tiny_model, calibration_file, tmp_path):
+    """Without group_size / zero_point the calibrated methods use METHOD_DEFAULTS (asymmetric, group 32): the
+    lowered blocks are 32 wide and carry zero points (the ort form: UINT4 zero points on the DequantizeLinear), and
+    the scales are stored as float16 (a Cast the session folds at load)."""
     from fxllm.passes.quantize import METHOD_DEFAULTS
 
-    assert METHOD_DEFAULTS[method] == (64, True)
+    assert METHOD_DEFAULTS[method] == (32, True)
     artifact, report = _compile(make_tiny_model("llama"), tmp_path, method,
                                 f"method={method};calib={calibration_file};samples=2;seq_len=64")
     model = onnx.load(str(artifact / "model.onnx"), load_external_data=False)
     dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
     assert dq and all(len(n.input) == 3 for n in dq)
-    assert {a.i for n in dq for a in n.attribute if a.name == "block_size"} == {64}
-    assert "group size 64, asymmetric" in " ".join(json.loads((artifact / "manifest.json").read_text())["spec"]["notes"])
+    assert {a.i for n in dq for a in n.attribute if a.name == "block_size"} == {32}
+    initializers = {i.name: i.data_type for i in model.graph.initializer}
+    casts = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Cast"}
+    assert all(initializers[casts[n.input[1]]] == TensorProto.FLOAT16 for n in dq)
+    assert "group size 32, asymmetric" in " ".join(json.loads((artifact / "manifest.json").read_text())["spec"]["notes"])
 
 
 def test_quantize_bad_options(make_tiny_model, tmp_path):

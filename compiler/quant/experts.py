@@ -9,6 +9,8 @@ dequantizes them (fxllm::dequantize_experts); the MoE node then reads the weight
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fxllm.compiler.projections import constant
@@ -35,7 +37,7 @@ def quantize_experts(program, fmt: QuantFormat) -> tuple[list[dict], list[str]]:
         replacements = []
         for kind, matrix in zip(("up", "down"), matrices):
             # per output channel == one block spanning the expert's whole input
-            expert_fmt = QuantFormat(fmt.bits, fmt.group_size or matrix.shape[2], fmt.symmetric)
+            expert_fmt = dataclasses.replace(fmt, group_size=fmt.group_size or matrix.shape[2])
             replacements.append(_store(program, node, f"experts_{index}_{kind}", matrix, expert_fmt))
             rows.append(_report(node, kind, matrix, expert_fmt, program, f"experts_{index}_{kind}"))
         node.update_arg(UP, replacements[0])

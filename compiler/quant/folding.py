@@ -3,7 +3,8 @@
 Two producers are recognised (the ones in front of every projection of a Llama-style block):
 - mul(activation, w) with w a constant [in] used only there (RMSNorm's weight): w → w / s;
 - mul(silu(gate), up) where `up` is (a split slice of) a linear's output used only there: that linear's output
-  features are divided by s — through its scales if it is already quantized, else its weight rows (and bias).
+  features are divided by s — through its scales if it is already quantized (float16 scales rounded to float16
+  again), else its weight rows (and bias).
 Anything else (e.g. attention output feeding o_proj) is not folded; AWQ then only searches clipping there.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from fxllm.compiler.projections import SPLITS, split_sizes, constant
+from fxllm.compiler.quant.numerics import stored_scales
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -65,11 +67,14 @@ def _linear_slice(program, node) -> tuple[Node, int, int] | None:
 
 def _output_feature_folder(program, linear: Node, start: int, stop: int, quantized: dict) -> Folder:
     def fold(s: torch.Tensor) -> None:
-        if linear in quantized:  # scales (and offsets) are per output feature ([groups, out] or [out]): exact
+        if linear in quantized:  # scales (and offsets) are per output feature ([groups, out] or [out])
             done = quantized[linear]
-            done.scales[..., start:stop] /= s.to(done.scales.dtype)
-            if done.offsets is not None:
-                done.offsets[..., start:stop] /= s.to(done.offsets.dtype)
+            scales = done.scales[..., start:stop]
+            steps = None if done.offsets is None else torch.round(done.offsets[..., start:stop] / scales)  # 8 − z
+            # exact, but for float16 scales rounded to float16 again (a relative 2⁻¹¹, far below int4's step)
+            scales.copy_(stored_scales(scales / s.to(scales.dtype), done.fmt))
+            if steps is not None:
+                done.offsets[..., start:stop] = scales * steps
         else:
             constant(program, linear.args[1]).data[start:stop] /= s[:, None]
         bias = constant(program, linear.args[2]) if len(linear.args) > 2 else None

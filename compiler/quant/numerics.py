@@ -28,6 +28,11 @@ class QuantFormat:
     bits: int
     group_size: int  # 0: per output channel
     symmetric: bool = True
+    half_scales: bool = False  # scales rounded to float16 values (stored as float16 where the target allows)
+
+    @property
+    def scale_bits(self) -> int:
+        return 16 if self.half_scales else 32
 
     @property
     def qmax(self) -> int:
@@ -50,9 +55,11 @@ class QuantFormat:
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == 0 else -(-in_features // self.group_size)
 
-    def bits_per_weight(self, in_features: int, out_features: int, scale_bits: int = 32) -> float:
-        """Stored bits per weight element: the code, plus each block's scale (and offset when asymmetric)."""
-        per_block = scale_bits * (1 if self.symmetric else 2)
+    def bits_per_weight(self, in_features: int, out_features: int, scale_bits: int | None = None) -> float:
+        """Bits per weight element: the code, plus each block's scale (and offset when asymmetric), each of
+        `scale_bits` (default: the format's scale width; an asymmetric block's offset s·(8 − z) is counted as wide
+        as its scale, though it only carries the 4-bit zero point z)."""
+        per_block = (scale_bits or self.scale_bits) * (1 if self.symmetric else 2)
         blocks = self.groups(in_features) * out_features if self.group_size else out_features
         return self.bits + per_block * blocks / (in_features * out_features)
 
@@ -86,7 +93,15 @@ def group_range(weight: Tensor, fmt: QuantFormat) -> tuple[Tensor, Tensor]:
 
 
 def scales_from_absmax(absmax: Tensor, fmt: QuantFormat) -> Tensor:
-    return absmax.clamp_min(1e-10) / fmt.qmax
+    return stored_scales(absmax.clamp_min(1e-10) / fmt.qmax, fmt)
+
+
+def stored_scales(scales: Tensor, fmt: QuantFormat) -> Tensor:
+    """Scales as the format stores them: rounded to float16 values (kept in the input's dtype) for half-scale
+    formats, so the codes are chosen against the scales that will really be used."""
+    if not fmt.half_scales:
+        return scales
+    return scales.clamp(2.0 ** -24, 65504.0).to(torch.float16).to(scales.dtype)
 
 
 def grid_from_range(low: Tensor, high: Tensor, fmt: QuantFormat) -> Grid:
@@ -94,7 +109,7 @@ def grid_from_range(low: Tensor, high: Tensor, fmt: QuantFormat) -> Grid:
     if fmt.symmetric:
         return Grid(scales_from_absmax(torch.maximum(low.abs(), high.abs()), fmt), None)
     low, high = low.clamp_max(0), high.clamp_min(0)  # the range holds 0, so the zero point is a code in [0, levels]
-    scales = (high - low).clamp_min(1e-10) / fmt.levels
+    scales = stored_scales((high - low).clamp_min(1e-10) / fmt.levels, fmt)
     zeros = torch.round(-low / scales).clamp(0, fmt.levels)
     return Grid(scales, zeros)
 
