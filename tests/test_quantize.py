@@ -330,3 +330,18 @@ def test_asymmetric_int4_lowers_exactly(target, group, make_tiny_model, tmp_path
     assert offsets == (2 * 4 if target == "tensorrt" else 0)  # one offset term per projection
     if target == "tensorrt":
         assert audit_file(path) == []
+
+
+def test_tensorrt_form_of_asymmetric_int4_matches_the_ort_form(make_tiny_model, calibration_file, tmp_path):
+    """The default int4-awq format (asymmetric, group 32, float16 scales) compiled for both targets from one
+    model: the TensorRT form (offset term, float32 scales and offsets, no contrib ops) passes the audit, and on
+    ONNX Runtime it gives the ort form's (zero points, float16 scales, contrib ops) greedy tokens."""
+    model = make_tiny_model("llama")
+    options = {"quantize": {"calib": str(calibration_file), "samples": 2, "seq_len": 64}}
+    fxllm.compile(model, tmp_path / "ort", quant="int4-awq", pass_options=options)
+    fxllm.compile(model, tmp_path / "trt", quant="int4-awq", pass_options=options, target="tensorrt")
+    assert audit_file(tmp_path / "trt") == []
+    prompts = ["The quick brown fox", "Paris is the capital of", "1, 2, 3,"]
+    tokens = {name: [r.token_ids for r in fxllm.load(tmp_path / name).generate(prompts, max_new_tokens=16)]
+              for name in ("ort", "trt")}
+    assert tokens["trt"] == tokens["ort"]
