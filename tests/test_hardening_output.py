@@ -246,10 +246,18 @@ def test_signals_during_lowering_remove_the_staging_directory(tmp_path, make_tin
         assert snapshot(parent / "artifact") == before
 
 
+def _default_signal_actions() -> None:
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _compile_and_signal(model: Path, output: Path, signum: int, results: dict) -> None:
     env = {k: v for k, v in os.environ.items() if k != "FXLLM_QUIET"}  # the phase lines are what we wait for
+    # The signals' default actions, whatever this run inherited (under nohup SIGHUP is ignored, and fxllm rightly
+    # keeps an ignored signal ignored).
     process = subprocess.Popen([str(Path(sys.executable).parent / "fxllm"), "compile", str(model), "-o", str(output)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                               preexec_fn=_default_signal_actions)
     lines, reached = [], False
     try:
         for line in process.stderr:
