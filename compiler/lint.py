@@ -91,7 +91,7 @@ class _IncrementalProp(FakeTensorProp):
         self.state = state
 
     def run_node(self, node: torch.fx.Node):
-        key = self._key(node) if node.op in ("call_function", "call_method", "call_module") else None
+        key = self._key(node) if node.op in ("call_function", "call_method") else None  # a submodule may change
         if key is not None and node.meta.get(_KEY) == key and "val" in node.meta:
             return node.meta["val"]
         old = node.meta.get("val")
