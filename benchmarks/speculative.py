@@ -5,6 +5,7 @@ tokens per prompt (EOS does not stop any row). The rows are
 
     no speculation            the fp32 target alone (the self-int4 artifact loaded with speculative=False)
     self-int4 k=K             draft = the target quantized int4-rtn group 32; one artifact, k set per row at load
+    self-int4 k=4 unrolled    the same draft proposing its 4 tokens in one call of its unrolled graph
     self-layers:N k=4         draft = the target's first N layers + final norm + lm_head (early exit)
     ngram k=4                 prompt lookup: proposals copied from earlier n-gram matches, no draft model
 
@@ -134,6 +135,7 @@ class Row:
     mode: str | None  # None: no speculation
     artifact: Path
     k: int | None = None
+    unrolled: bool = False  # the draft's k proposals in one call (Engine.load's unrolled_draft)
 
 
 @dataclass
@@ -222,15 +224,23 @@ def ensure_artifact(model: str, model_name: str, draft: str, recompile: bool) ->
             manifest = None
         if manifest is not None:
             recorded = (manifest.get("speculative") or {}).get("description")
-            if recorded == wanted and manifest["source"]["name"] == model_name:
+            unrolled = draft == "ngram" or _has_unrolled_draft(directory)
+            if recorded == wanted and manifest["source"]["name"] == model_name and unrolled:
                 print(f"using cached artifact {directory} (--recompile to rebuild it)")
                 return directory
-            print(f"cached artifact {directory} holds draft {recorded!r} of '{manifest['source']['name']}'; "
-                  "recompiling")
+            print(f"cached artifact {directory} holds draft {recorded!r} of '{manifest['source']['name']}'"
+                  f"{'' if unrolled else ' without an unrolled draft graph'}; recompiling")
     start = time.perf_counter()
     fxllm.compile(model, directory, draft=draft, spec_k=4)
     print(f"compiled {model} --draft {draft} → {directory} in {time.perf_counter() - start:.1f} s", flush=True)
     return directory
+
+
+def _has_unrolled_draft(directory: Path) -> bool:
+    try:
+        return load_manifest(directory / "draft", verify=False).unrolled_draft is not None
+    except ArtifactError:
+        return False
 
 
 # --- measuring ---------------------------------------------------------------------------------------------------
@@ -238,7 +248,8 @@ def ensure_artifact(model: str, model_name: str, draft: str, recompile: bool) ->
 def load_engines(rows: list[Row], threads: int) -> dict[str, Any]:
     engines = {}
     for row in rows:
-        engine = fxllm.load(row.artifact, threads=threads, speculative=row.mode is not None, spec_k=row.k)
+        engine = fxllm.load(row.artifact, threads=threads, speculative=row.mode is not None, spec_k=row.k,
+                            unrolled_draft=row.unrolled)
         engine.eos_token_ids = set()  # exactly new_tokens tokens per prompt (the draft's EOS never stops anything)
         if engine.speculator is None and row.mode is not None:
             raise SystemExit(f"speculative.py: {row.artifact} loaded without a draft; pass --recompile")
@@ -554,6 +565,7 @@ def run_batch_one(args: argparse.Namespace, parser: argparse.ArgumentParser, mod
                  for mode in ("self-int4", layers_mode, "ngram")}
     rows = [Row(BASELINE, None, artifacts["self-int4"])]
     rows += [Row(f"self-int4 k={k}", "self-int4", artifacts["self-int4"], k) for k in args.ks]
+    rows += [Row("self-int4 k=4 unrolled", "self-int4", artifacts["self-int4"], 4, unrolled=True)] * (4 in args.ks)
     rows += [Row(f"{layers_mode} k=4", layers_mode, artifacts[layers_mode], 4),
              Row("ngram k=4", "ngram", artifacts["ngram"], 4)]
     engines = load_engines(rows, args.threads)

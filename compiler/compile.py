@@ -149,8 +149,7 @@ def compile_model(
         tokenizer.save_pretrained(stage / TOKENIZER_DIR)
         speculative = None
         if draft_spec is not None:
-            speculative = _compile_draft(draft_spec, model, stage, program.spec.vocab_size, report)
-            speculative["k"] = spec_k
+            speculative = _compile_draft(draft_spec, model, stage, program.spec.vocab_size, spec_k, report)
         write_manifest(stage, {
             "fxllm_version": __version__,
             "source": {"name": source.name, "gguf": bool(source.gguf_file)},
@@ -203,9 +202,11 @@ def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> None:
     dumps.mkdir(parents=True, exist_ok=True)  # now, so that an unwritable place fails before the work (OSError)
 
 
-def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, report: CompileReport) -> dict[str, Any]:
-    """Compile the draft into stage/draft (modes that have a model); → the manifest's "speculative" entry."""
-    entry: dict[str, Any] = {"mode": spec.mode, "draft": None, "description": spec.describe()}
+def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, k: int,
+                   report: CompileReport) -> dict[str, Any]:
+    """Compile the draft into stage/draft (modes that have a model), with its k-step graph; → the manifest's
+    "speculative" entry."""
+    entry: dict[str, Any] = {"mode": spec.mode, "draft": None, "description": spec.describe(), "k": k}
     if not spec.compiled:
         return entry
     status(f"compiling the draft ({spec.describe()})")
@@ -216,13 +217,24 @@ def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, repo
         draft_report = compile_model(target_model, stage / DRAFT_DIR, passes=SELF_INT4_PASSES)
     else:
         draft_report = compile_model(target_model, stage / DRAFT_DIR, keep_layers=spec.layers)
-    report.seconds["draft"] = time.perf_counter() - start
     from fxllm.runtime.manifest import load_manifest
 
-    check_same_vocab(target_vocab, load_manifest(draft_report.output, verify=False).spec.vocab_size,
-                     spec.describe())
+    draft = load_manifest(draft_report.output, verify=False)
+    check_same_vocab(target_vocab, draft.spec.vocab_size, spec.describe())
+    _add_unrolled_draft(draft, k)
+    report.seconds["draft"] = time.perf_counter() - start
     entry["draft"] = DRAFT_DIR
     return entry
+
+
+def _add_unrolled_draft(draft, k: int) -> None:
+    """Write the draft's k steps as one graph next to its one-step model (compiler/targets/unrolled_draft.py) and
+    record it in the draft's manifest."""
+    from fxllm.compiler.targets.unrolled_draft import write_unrolled_draft
+
+    path = write_unrolled_draft(draft.model_file, draft.io, draft.spec, k)
+    data = {key: value for key, value in draft.data.items() if key not in ("kind", "format_version", "files")}
+    write_manifest(draft.directory, {**data, "unrolled_draft": {"model_file": path.name, "k": k}})
 
 
 def _audit_for_tensorrt(model_path: Path) -> list[str]:

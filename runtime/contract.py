@@ -240,6 +240,35 @@ class ModelIO:
         return [cache_output(self.cache, kind, i) for i in range(self.num_layers)]
 
 
+# A draft artifact's unrolled graph (compiler/targets/unrolled_draft.py): its k steps in one call. Inputs: the one-step
+# graph's, whose input_ids/position_ids/attention_mask/logits_index describe the first step, plus these two; step
+# i >= 1 feeds step i-1's token at the next position. Token i = argmax(logits_i * inverse temperature + noise[:, i]):
+# zero noise is greedy, standard Gumbel noise samples exactly from softmax(logits_i / temperature). Outputs: these
+# two, then the cache outputs after the k steps (which have fed the first step's tokens and the first k-1 drafts).
+DRAFT_NOISE = "draft_noise"  # float32 [batch, k, vocab]
+DRAFT_INV_TEMPERATURE = "draft_inv_temperature"  # float32 [batch]
+DRAFT_TOKENS = "draft_tokens"  # int64 [batch, k]
+DRAFT_LOGITS = "draft_logits"  # float32 [batch, k, vocab]: the logits each draft token was drawn from
+
+
+@dataclass(frozen=True)
+class UnrolledDraftIO:
+    """The calling convention of a draft's unrolled graph, derived from its one-step graph's and k."""
+
+    inputs: tuple[TensorSig, ...]
+    outputs: tuple[TensorSig, ...]
+    k: int
+
+    @classmethod
+    def of(cls, step: ModelIO, k: int) -> UnrolledDraftIO:
+        vocab = step.outputs[0].dims[-1]
+        inputs = (*step.inputs, TensorSig(DRAFT_NOISE, ("batch", k, vocab), "float32"),
+                  TensorSig(DRAFT_INV_TEMPERATURE, ("batch",), "float32"))
+        outputs = (TensorSig(DRAFT_TOKENS, ("batch", k), "int64"),
+                   TensorSig(DRAFT_LOGITS, ("batch", k, vocab), step.outputs[0].dtype), *step.outputs[1:])
+        return cls(inputs, outputs, k)
+
+
 CONTRACT_METADATA_KEY = "fxllm.contract"  # model.onnx metadata: digest of the spec and signature it was built for
 
 
@@ -252,7 +281,7 @@ def contract_digest(spec: dict[str, Any], inputs: list[TensorSig], outputs: list
     return hashlib.sha256(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def signature_mismatch(io: ModelIO, actual_inputs: dict[str, tuple[str, int]],
+def signature_mismatch(io: ModelIO | UnrolledDraftIO, actual_inputs: dict[str, tuple[str, int]],
                        actual_outputs: dict[str, tuple[str, int]]) -> str | None:
     """Compare the manifest's signature with a loaded model's {name: (dtype, rank)}; a description of the first
     difference, or None when they agree."""

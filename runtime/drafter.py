@@ -6,7 +6,8 @@ compiled through the default (contiguous) pipeline, and its cache is private to 
 target's block pool nor its prefix cache ever holds draft KV. The cache is reused as far as the tokens it was fed
 agree with the sequence: each proposal cuts it back to that common prefix (after a verification: the accepted
 drafts; after proposals that were never verified, say of a preempted request: the tokens before them), feeds the
-sequence's tokens from there (its whole prompt the first time), then its own proposals one by one.
+sequence's tokens from there (its whole prompt the first time), then its own proposals: one call each, or all k in
+one call through the draft's unrolled graph (runtime/unrolled_draft.py) when the engine loaded it.
 """
 
 from __future__ import annotations
@@ -17,14 +18,18 @@ from fxllm.runtime.kv_cache import ContiguousKVCache
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import SamplingParams
 from fxllm.runtime.speculative import NgramProposer, one_hot_probs, processed_probs, sample
+from fxllm.runtime.unrolled_draft import UnrolledDraft
 
 
 class Drafter:
-    def __init__(self, mode: str, k: int, vocab_size: int, runner: ModelRunner | None):
-        """mode "ngram" proposes by prompt lookup (runner None); any other mode runs the draft model `runner`."""
+    def __init__(self, mode: str, k: int, vocab_size: int, runner: ModelRunner | None,
+                 unrolled: UnrolledDraft | None = None):
+        """mode "ngram" proposes by prompt lookup (runner None); any other mode runs the draft model: `unrolled`
+        (its k-step graph, k equal to this k) when given, else `runner`, one call per draft token."""
         self.mode = mode
         self.vocab_size = vocab_size
         self.runner = runner
+        self.unrolled = unrolled
         self.ngram = NgramProposer(k=k) if mode == "ngram" else None
         self._caches: dict[int, tuple[ContiguousKVCache, list[int]]] = {}  # sequence id → (KV cache, tokens fed)
 
@@ -32,19 +37,23 @@ class Drafter:
                 rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
         """Up to k draft tokens continuing `tokens`, and the distributions they were drawn from ([n, V], processed
         as the target's will be; one-hot for ngram); None instead of distributions when greedy."""
-        if k <= 0:
+        if k <= 0 or self.unrolled is not None and not self.unrolled.fits(len(tokens)):  # (the context's end)
             return [], None if params.greedy else np.zeros((0, self.vocab_size))
         if self.ngram is not None:
             proposals = self.ngram.propose(tokens)[:k]
             return proposals, None if params.greedy else one_hot_probs(proposals, self.vocab_size)
         if seq_id not in self._caches:
-            self._caches[seq_id] = (self.runner.new_cache(), [])
+            self._caches[seq_id] = ((self.unrolled or self.runner).new_cache(), [])
         cache, fed = self._caches[seq_id]
         keep = min(_common_prefix(fed, tokens), len(tokens) - 1)  # feed at least one token: its logits propose
         cache.truncate(keep)
         del fed[keep:]
-        proposals, distributions = [], []
         feed = tokens[keep:]
+        if self.unrolled is not None:  # all k in one call; a budget below k keeps the first ones
+            proposals, probs = self.unrolled.propose(cache, feed, params, rng)
+            fed += feed + proposals[:-1]
+            return proposals[:k], None if probs is None else probs[:k]
+        proposals, distributions = [], []
         for _ in range(k):
             fed += feed
             logits = self.runner.step_one(cache, feed, cache.length, all_logits=False)[-1]

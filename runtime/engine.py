@@ -15,7 +15,8 @@ import numpy as np
 
 from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.backend import Backend, load_backend
-from fxllm.runtime.checks import describe
+from fxllm.runtime.backend_ort import default_providers
+from fxllm.runtime.checks import describe, flag
 from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.runtime.driver import CoreDriver
 from fxllm.runtime.engine_core import EngineCore
@@ -28,6 +29,7 @@ from fxllm.runtime.request_validation import (GenerationRequest, check_engine_op
 from fxllm.runtime.results import GenerationResult, collector, raise_failure
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
+from fxllm.runtime.unrolled_draft import UnrolledDraft
 
 DEFAULT_NGRAM_K = 4  # prompt lookup asked for at load time on an artifact compiled without a draft
 
@@ -73,7 +75,7 @@ class Engine:
              kv_blocks: int | None = None, max_batch: int = 64, max_tokens_per_step: int = 512,
              prefix_caching: bool = True, int8_activations: bool | None = None, speculative: bool | str = True,
              spec_k: int | None = None, spin: bool = True, device: str = "cpu",
-             torch_compile: bool = False) -> Engine:
+             torch_compile: bool = False, unrolled_draft: bool | None = None) -> Engine:
         """backend: "onnxruntime" (any artifact, any machine), "tensorrt" (an artifact with engine.plan) or "torch"
         (a --target torch artifact on `device`, "cpu" or "cuda", optionally through torch.compile).
         `max_batch` requests run at once. Paged artifacts: the KV pool holds `kv_blocks` blocks, or as many as fit
@@ -83,8 +85,10 @@ class Engine:
         activations to int8 (faster, slightly less exact); default: what the artifact recommends (float
         activations unless it was compiled with --int8-activations). Artifacts compiled with a draft decode
         speculatively unless speculative=False; speculative="ngram" decodes any artifact with prompt lookup (no
-        draft model, nothing to compile; k 4 unless the artifact names one); spec_k overrides k. spin=False stops
-        ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs)."""
+        draft model, nothing to compile; k 4 unless the artifact names one); spec_k overrides k. unrolled_draft:
+        a model draft proposes its k tokens in one call of its unrolled graph (True), or one call per token
+        (False); None: unrolled on a CUDA provider only (on CPU it measured no faster: docs/speculative.md).
+        spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs)."""
         check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
         manifest = load_manifest(Path(path), verify=verify)
         plan = _speculative_plan(manifest, speculative)
@@ -101,10 +105,8 @@ class Engine:
             k = plan.k if spec_k is None else spec_k
             if not 1 <= k <= MAX_SPEC_K:
                 raise InvalidArgumentError("spec_k", f"spec_k must be between 1 and {MAX_SPEC_K}, got {k}")
-            draft = None
-            if plan.draft is not None:
-                draft = Engine.load(plan.draft, threads=threads, providers=providers, verify=verify,
-                                    int8_activations=int8_activations, spin=False)
+            draft = _load_draft(plan, k, unrolled_draft, threads=threads, providers=providers, verify=verify,
+                                int8_activations=int8_activations) if plan.draft is not None else None
             draft_plan = (plan.mode, k, draft)
         return cls(manifest.directory, manifest, runner, tokenizer, kv_cache_memory, kv_blocks, max_batch,
                    max_tokens_per_step, prefix_caching, draft_plan)
@@ -269,9 +271,29 @@ def _speculator(runner: ModelRunner, paged: bool, max_context: int, speculative)
     from fxllm.runtime.speculator import PagedSpeculator
 
     mode, k, draft = speculative
-    drafter = Drafter(mode, k, runner.spec.vocab_size, draft.runner if draft else None)
+    unrolled = draft if isinstance(draft, UnrolledDraft) else None
+    drafter = Drafter(mode, k, runner.spec.vocab_size, draft.runner if draft and not unrolled else None, unrolled)
     context = min(max_context, draft.max_context) if draft else max_context  # never propose past either's context
     return (PagedSpeculator if paged else SpeculativeDecoder)(runner, drafter, k, context)
+
+
+def _load_draft(plan: SpeculativePlan, k: int, unrolled: bool | None, **options) -> Engine | UnrolledDraft:
+    """The draft model: its unrolled k-step graph (see Engine.load's unrolled_draft), or an Engine of its own."""
+    manifest = load_manifest(plan.draft, verify=options["verify"])
+    if unrolled is not None:
+        flag("unrolled_draft", unrolled)
+    int8 = manifest.int8_activations if options["int8_activations"] is None else options["int8_activations"]
+    if unrolled is None:
+        unrolled = "CUDAExecutionProvider" in (options["providers"] or default_providers()) and not int8
+    if unrolled:
+        why = ("the draft has no unrolled graph (compiled before fxllm had them, or for another k: "
+               f"{manifest.unrolled_draft.k if manifest.unrolled_draft else 'none'} vs {k})"
+               if manifest.unrolled_draft is None or manifest.unrolled_draft.k != k else
+               "int8 activations: ONNX Runtime does not fuse the unrolled graph's shared int4 weights" if int8 else None)
+        if why is not None:
+            raise InvalidArgumentError("unrolled_draft", f"unrolled_draft=True cannot be used: {why}")
+        return UnrolledDraft.load(manifest, options["threads"], options["providers"], int8)
+    return Engine.load(plan.draft, spin=False, **options)
 
 
 def _new_request_id() -> str:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxllm.runtime.contract import CONTIGUOUS, cache_input, cache_output
+from fxllm.runtime.contract import CONTIGUOUS, ModelIO, ModelSpec, cache_input, cache_output
 
 
 @dataclass
@@ -114,3 +114,12 @@ class SharedKVCache:
     def truncate(self, length: int) -> None:
         """Forget positions from `length` on (they are overwritten by later steps)."""
         self.length = min(self.length, length)
+
+
+def new_contiguous_cache(io: ModelIO, spec: ModelSpec, backend: object, batch: int = 1) -> ContiguousKVCache:
+    """An empty contiguous cache for a graph of this calling convention: in-place buffers for a shared-buffer graph,
+    else the backend's (device-resident) kind if it has one, else host arrays."""
+    if io.shared_buffer:
+        return SharedKVCache.empty(io.num_layers, batch, spec.num_kv_heads, spec.head_dim)
+    make = getattr(backend, "new_contiguous_cache", ContiguousKVCache.empty)
+    return make(io.num_layers, batch, spec.num_kv_heads, spec.head_dim)

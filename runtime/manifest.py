@@ -32,6 +32,14 @@ class SpeculativePlan:
 
 
 @dataclass(frozen=True)
+class UnrolledDraftFile:
+    """A draft artifact's k-step graph (runtime/contract.py UnrolledDraftIO), next to its one-step model file."""
+
+    model_file: Path
+    k: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A validated manifest. `data` is the JSON document itself (what `write_manifest` wrote)."""
 
@@ -45,6 +53,7 @@ class Manifest:
     tokenizer_dir: Path
     speculative: SpeculativePlan | None
     int8_activations: bool  # the runtime's recommended default for quantized matmuls
+    unrolled_draft: UnrolledDraftFile | None = None  # draft artifacts compiled for a speculative k
 
     @property
     def files(self) -> dict[str, dict[str, Any]]:
@@ -114,7 +123,8 @@ def parse_manifest(data: Any, directory: Path) -> Manifest:
     if not isinstance(int8, bool):
         fields_.fail("runtime.int8_activations", "must be true or false")
     return Manifest(directory, data, spec, io, frozenset(facts), target, model_file, tokenizer_dir,
-                    _speculative(data.get("speculative"), fields_), int8)
+                    _speculative(data.get("speculative"), fields_), int8,
+                    _unrolled_draft(data.get("unrolled_draft"), io, fields_))
 
 
 class _Fields:
@@ -247,6 +257,19 @@ def _speculative(data: Any, fields_: _Fields) -> SpeculativePlan | None:
                                           f"in mode {data['mode']}")
     path = confine(fields_.directory, draft, "speculative.draft") if draft is not None else None
     return SpeculativePlan(data["mode"], k, path)
+
+
+def _unrolled_draft(data: Any, io: ModelIO, fields_: _Fields) -> UnrolledDraftFile | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("model_file"), str) or io.paged:
+        fields_.fail("unrolled_draft", "must be {\"model_file\": a file, \"k\": draft tokens per call} of a "
+                                       "contiguous-cache artifact")
+    if data["model_file"] not in fields_.data["files"]:
+        fields_.fail("unrolled_draft.model_file", "must name a file the manifest checksums")
+    if not _is_int(data.get("k")) or not 1 <= data["k"] <= MAX_SPEC_K:
+        fields_.fail("unrolled_draft.k", f"must be an integer from 1 to {MAX_SPEC_K}")
+    return UnrolledDraftFile(confine(fields_.directory, data["model_file"], "unrolled_draft.model_file"), data["k"])
 
 
 def _matches(value: Any, hint: Any) -> bool:

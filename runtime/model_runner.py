@@ -21,7 +21,7 @@ import numpy as np
 from fxllm.runtime.backend import Backend
 from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, LOGITS, LOGITS_INDEX,
                                     POSITION_IDS, ModelIO, ModelSpec)
-from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache
+from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache, new_contiguous_cache
 from fxllm.runtime.paged_cache import PagedKVPool
 from fxllm.runtime.scheduler import PREFILL, ScheduledBatch
 
@@ -68,10 +68,7 @@ class ModelRunner:
     # -- one sequence on its own contiguous cache (scoring, speculative decoding) ------------------------------------
 
     def new_cache(self, batch: int = 1) -> ContiguousKVCache:
-        if self.io.shared_buffer:  # the model writes into the buffers in place (runtime/contract.py)
-            return SharedKVCache.empty(self.io.num_layers, batch, self.spec.num_kv_heads, self.spec.head_dim)
-        make = getattr(self.backend, "new_contiguous_cache", ContiguousKVCache.empty)  # device-resident if it has one
-        return make(self.io.num_layers, batch, self.spec.num_kv_heads, self.spec.head_dim)
+        return new_contiguous_cache(self.io, self.spec, self.backend, batch)
 
     def step_one(self, cache: ContiguousKVCache, token_ids: list[int], start: int, all_logits: bool) -> np.ndarray:
         """Feed token_ids after the `start` tokens in `cache`, appending their K/V; logits [T, V] of every fed token,

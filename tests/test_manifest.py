@@ -87,6 +87,9 @@ def test_files_added_to_the_tokenizer_directory_are_refused(artifact, outside):
     (("target",), "gpu", "'target' must be one of ort, tensorrt"),
     (("speculative",), {"mode": "ngram", "k": 99, "draft": None}, "'speculative.k' must be an integer from 1 to 16"),
     (("speculative",), {"mode": "model", "k": 2, "draft": "/"}, "'speculative.draft' names '/', outside"),
+    (("unrolled_draft",), {"model_file": "model.onnx", "k": 0}, "'unrolled_draft.k' must be an integer from 1"),
+    (("unrolled_draft",), {"model_file": "other.onnx", "k": 2}, "'unrolled_draft.model_file' must name a file the"),
+    (("unrolled_draft",), ["model.onnx"], "'unrolled_draft' must be {\"model_file\""),
     (("facts",), ["captured"], "compiled without the kv-cache pass"),
     (("kind",), "photo-album", "'kind' must be 'fxllm-artifact'"),
 ])

@@ -30,6 +30,9 @@ def test_greedy_output_is_the_targets(draft, make_tiny_model, greedy_reference, 
     assert metrics.mode == draft.split(":")[0] and metrics.target_calls > 0
     if draft == "self-int4":  # a close draft: most proposals accepted, several tokens per target call
         assert metrics.acceptance_rate > 0.3 and metrics.tokens_per_target_call > 1.5
+    if draft != "ngram":  # a model draft's k proposals in one call of its unrolled graph: the same tokens
+        unrolled = fxllm.load(artifact, unrolled_draft=True)
+        assert [r.token_ids for r in unrolled.generate(EIGHT_PROMPTS, max_new_tokens=64)] == greedy_reference
     plain = fxllm.load(artifact, speculative=False)
     assert plain.generate(EIGHT_PROMPTS[0], max_new_tokens=16).token_ids == greedy_reference[0][:16]
 

@@ -2,7 +2,8 @@
 with an ngram and a self-int4 draft, sharing prefix-cached blocks and under a KV budget that forces preemption;
 sampling through the batched path keeps the target's exact distribution (the chi-square test of
 test_speculative_sampling.py, run through a real paged artifact with a model draft); failures fail only their
-requests and free their blocks."""
+requests and free their blocks. A model draft's unrolled graph (its k proposals in one call) gives what its k
+one-step calls give, and the same guarantees through the engine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import fxllm
-from fxllm.errors import InvalidArgumentError
+from fxllm.errors import ArtifactError, InvalidArgumentError
 from fxllm.runtime.request import SamplingParams
 from fxllm.runtime.speculative import BIASED_RULE, EXACT_RULE, processed_probs
 from tests.conftest import PROMPTS, TINY_PAGED_PASSES
@@ -35,10 +36,13 @@ def self_int4_artifact(make_tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def speculative_engine(tiny_paged_artifact, self_int4_artifact):
     """draft → a loader of its speculative engine (prompt lookup needs no compiled draft) with .artifact of each."""
-    artifacts = {"ngram": (tiny_paged_artifact, "ngram"), "self-int4": (self_int4_artifact, True)}
+    artifacts = {"ngram": (tiny_paged_artifact, "ngram"), "self-int4": (self_int4_artifact, True),
+                 "self-int4-unrolled": (self_int4_artifact, True)}  # its k proposals in one call of the draft
 
     def load(draft: str, **options):
         artifact, speculative = artifacts[draft]
+        if draft.endswith("-unrolled"):
+            options["unrolled_draft"] = True
         return fxllm.load(artifact, speculative=speculative, **options)
 
     load.artifact = {draft: artifact for draft, (artifact, _) in artifacts.items()}
@@ -54,7 +58,7 @@ def echo_prompts(tiny_paged_artifact):
     return [p + r.token_ids + p for p, r in zip(ids, engine.generate_ids(ids, max_new_tokens=NEW_TOKENS))]
 
 
-@pytest.mark.parametrize("draft", ["ngram", "self-int4"])
+@pytest.mark.parametrize("draft", ["ngram", "self-int4", "self-int4-unrolled"])
 def test_sixteen_requests_give_plain_paged_greedy_tokens(draft, speculative_engine, echo_prompts):
     plain = fxllm.load(speculative_engine.artifact[draft], speculative=False)
     assert plain.speculator is None
@@ -64,7 +68,7 @@ def test_sixteen_requests_give_plain_paged_greedy_tokens(draft, speculative_engi
         results = engine.generate_ids(echo_prompts, max_new_tokens=NEW_TOKENS)
         assert [r.token_ids for r in results] == expected, (draft, kv_blocks)
         stats, spec = engine.stats(), engine.stats().speculative
-        assert spec.mode == draft and spec.proposed > 0 and spec.accepted > 0  # both verdicts were exercised
+        assert spec.mode == draft.removesuffix("-unrolled") and spec.proposed > 0 and spec.accepted > 0  # both verdicts
         assert spec.accepted < spec.proposed
         assert stats.prefix_cache_hits > 0  # the prompts share prefixes and repeat themselves
         if kv_blocks is None:
@@ -193,18 +197,93 @@ def _sampled_pairs(engine, rule: str) -> tuple[np.ndarray, object]:
     return counts, engine.stats().since(before)
 
 
-def test_sampling_through_the_batched_path_keeps_the_target_distribution(vocab12_artifact):
+@pytest.mark.parametrize("unrolled", [False, True])
+def test_sampling_through_the_batched_path_keeps_the_target_distribution(vocab12_artifact, unrolled):
+    """unrolled: the draft samples both proposals in one call of its unrolled graph (Gumbel noise from each
+    request's stream), its q the tempered softmax of the logits that call returns."""
     exact = _exact_pair_distribution()
-    engine = fxllm.load(vocab12_artifact, max_batch=256)
+    engine = fxllm.load(vocab12_artifact, max_batch=256, unrolled_draft=unrolled)
+    assert (engine.speculator.drafter.unrolled is not None) == unrolled
     counts, stats = _sampled_pairs(engine, EXACT_RULE)
     p_value, spec = _chi_square_p(counts, exact), stats.speculative
-    print(f"\nexact rule through the engine: {SAMPLES} requests, chi-square p = {p_value:.4g}, acceptance "
-          f"{spec.acceptance_rate:.3f}, largest verify batch {stats.max_decode_batch}")
+    print(f"\nexact rule through the engine{' (unrolled draft)' * unrolled}: {SAMPLES} requests, chi-square p = "
+          f"{p_value:.4g}, acceptance {spec.acceptance_rate:.3f}, largest verify batch {stats.max_decode_batch}")
     assert counts.sum() == SAMPLES and stats.max_decode_batch >= 64  # verified many rows per call
     assert 0.1 < spec.acceptance_rate < 0.9  # both the accept and the residual-resample paths, many times
     assert p_value > 1e-3
+    if unrolled:
+        assert_pool_whole(engine)
+        return
     counts, _ = _sampled_pairs(engine, BIASED_RULE)  # the same test catches the common bug through this path
     p_biased = _chi_square_p(counts, exact)
     print(f"biased rule through the engine: chi-square p = {p_biased:.4g}")
     assert p_biased < 1e-6
     assert_pool_whole(engine)
+
+
+# --- the draft's unrolled graph ----------------------------------------------------------------------------------
+
+
+def test_unrolled_graph_equals_k_one_step_calls(self_int4_artifact):
+    """Greedy: the same k tokens, the same logits and the same cache as k calls of the one-step graph, from an
+    empty cache (a whole prompt fed) and from a cached prefix (one token fed)."""
+    from fxllm.runtime.manifest import load_manifest
+    from fxllm.runtime.unrolled_draft import UnrolledDraft
+
+    manifest = load_manifest(self_int4_artifact / "draft")
+    assert manifest.unrolled_draft.k == 4 and manifest.unrolled_draft.model_file.is_file()
+    step = fxllm.load(manifest.directory).runner
+    unrolled = UnrolledDraft.load(manifest, threads=2)
+    prompt = step.pad_token_id, *range(100, 130)
+    greedy = SamplingParams(temperature=0.0)
+    step_cache, unrolled_cache, first_logits = step.new_cache(), unrolled.new_cache(), None
+    for feed in (list(prompt), [7]):
+        expected_tokens, expected_logits = [], []
+        token_feed = feed
+        for _ in range(4):
+            logits = step.step_one(step_cache, token_feed, step_cache.length, all_logits=False)[-1]
+            expected_tokens.append(int(logits.argmax()))
+            expected_logits.append(logits)
+            token_feed = [expected_tokens[-1]]
+        tokens, probs = unrolled.propose(unrolled_cache, feed, greedy, np.random.default_rng(0))
+        assert tokens == expected_tokens and probs is None
+        assert unrolled_cache.length == step_cache.length  # the feed and the first k-1 drafts
+        length = step_cache.length
+        for mine, theirs in zip(unrolled_cache.keys + unrolled_cache.values, step_cache.keys + step_cache.values):
+            np.testing.assert_allclose(mine[:, :, :length], theirs[:, :, :length], atol=1e-5)
+        first_logits = expected_logits[0] if first_logits is None else first_logits  # of the whole prompt
+    sampled, distributions = unrolled.propose(unrolled.new_cache(), list(prompt), SamplingParams(temperature=0.7),
+                                              np.random.default_rng(1))
+    assert len(sampled) == 4 and distributions.shape == (4, manifest.spec.vocab_size)
+    np.testing.assert_allclose(distributions[0], processed_probs(first_logits, 0.7), rtol=1e-4)
+
+
+def test_unrolled_draft_choice_and_bad_values(self_int4_artifact, tiny_paged_artifact):
+    assert fxllm.load(self_int4_artifact).speculator.drafter.unrolled is None  # CPU default: one call per token
+    for bad, match in ((1, "unrolled_draft must be True or False"),
+                       ("yes", "unrolled_draft must be True or False")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            fxllm.load(self_int4_artifact, unrolled_draft=bad)
+    with pytest.raises(InvalidArgumentError, match="unrolled_draft=True cannot be used: .*another k: 4 vs 3"):
+        fxllm.load(self_int4_artifact, unrolled_draft=True, spec_k=3)
+    with pytest.raises(InvalidArgumentError, match="int8 activations"):
+        fxllm.load(self_int4_artifact, unrolled_draft=True, int8_activations=True)
+    assert fxllm.load(self_int4_artifact, spec_k=3).speculator.k == 3  # another k: the one-step calls
+
+
+def test_a_wrong_unrolled_graph_is_refused_at_load(self_int4_artifact, tmp_path):
+    import shutil
+
+    from fxllm.runtime.artifact import write_manifest
+    from fxllm.runtime.manifest import load_manifest
+
+    copy = tmp_path / "artifact"
+    shutil.copytree(self_int4_artifact, copy)
+    draft = load_manifest(copy / "draft")
+    shutil.copy(draft.model_file, draft.unrolled_draft.model_file)  # the one-step graph where the unrolled belongs
+    data = {key: value for key, value in draft.data.items() if key not in ("kind", "format_version", "files")}
+    write_manifest(draft.directory, data)
+    write_manifest(copy, {key: value for key, value in load_manifest(copy, verify=False).data.items()
+                          if key not in ("kind", "format_version", "files")})
+    with pytest.raises(ArtifactError, match="'model.unrolled.onnx' does not match the draft's manifest"):
+        fxllm.load(copy, unrolled_draft=True)
