@@ -5,7 +5,9 @@ tokens per prompt (EOS does not stop any row). The rows are
 
     no speculation            the fp32 target alone (the self-int4 artifact loaded with speculative=False)
     self-int4 k=K             draft = the target quantized int4-rtn group 32; one artifact, k set per row at load
-    self-int4 k=4 unrolled    the same draft proposing its 4 tokens in one call of its unrolled graph
+    self-int4 k=4 float draft the same draft with float activations (the default for a quantized draft is int8
+                              activations, ONNX Runtime's fast int4 kernels; the target is fp32 either way)
+    self-int4 k=4 unrolled    the float draft proposing its 4 tokens in one call of its unrolled graph
     self-layers:N k=4         draft = the target's first N layers + final norm + lm_head (early exit)
     ngram k=4                 prompt lookup: proposals copied from earlier n-gram matches, no draft model
 
@@ -136,6 +138,7 @@ class Row:
     artifact: Path
     k: int | None = None
     unrolled: bool = False  # the draft's k proposals in one call (Engine.load's unrolled_draft)
+    int8_activations: bool | None = None  # None: the default (int8 for a quantized draft)
 
 
 @dataclass
@@ -249,7 +252,7 @@ def load_engines(rows: list[Row], threads: int) -> dict[str, Any]:
     engines = {}
     for row in rows:
         engine = fxllm.load(row.artifact, threads=threads, speculative=row.mode is not None, spec_k=row.k,
-                            unrolled_draft=row.unrolled)
+                            unrolled_draft=row.unrolled, int8_activations=row.int8_activations)
         engine.eos_token_ids = set()  # exactly new_tokens tokens per prompt (the draft's EOS never stops anything)
         if engine.speculator is None and row.mode is not None:
             raise SystemExit(f"speculative.py: {row.artifact} loaded without a draft; pass --recompile")
@@ -565,7 +568,9 @@ def run_batch_one(args: argparse.Namespace, parser: argparse.ArgumentParser, mod
                  for mode in ("self-int4", layers_mode, "ngram")}
     rows = [Row(BASELINE, None, artifacts["self-int4"])]
     rows += [Row(f"self-int4 k={k}", "self-int4", artifacts["self-int4"], k) for k in args.ks]
-    rows += [Row("self-int4 k=4 unrolled", "self-int4", artifacts["self-int4"], 4, unrolled=True)] * (4 in args.ks)
+    if 4 in args.ks:
+        rows += [Row("self-int4 k=4 float draft", "self-int4", artifacts["self-int4"], 4, int8_activations=False),
+                 Row("self-int4 k=4 unrolled", "self-int4", artifacts["self-int4"], 4, True, False)]
     rows += [Row(f"{layers_mode} k=4", layers_mode, artifacts[layers_mode], 4),
              Row("ngram k=4", "ngram", artifacts["ngram"], 4)]
     engines = load_engines(rows, args.threads)

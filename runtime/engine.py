@@ -87,7 +87,9 @@ class Engine:
         speculatively unless speculative=False; speculative="ngram" decodes any artifact with prompt lookup (no
         draft model, nothing to compile; k 4 unless the artifact names one); spec_k overrides k. unrolled_draft:
         a model draft proposes its k tokens in one call of its unrolled graph (True), or one call per token
-        (False); None: unrolled on a CUDA provider only (on CPU it measured no faster: docs/speculative.md).
+        (False); None: unrolled on a CUDA provider only (on CPU it measured no faster: docs/speculative.md). A
+        quantized draft runs with int8 activations unless int8_activations is given or it is unrolled (its speed
+        matters, its numerics do not: verification keeps exactly the target's distribution).
         spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs)."""
         check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
         manifest = load_manifest(Path(path), verify=verify)
@@ -282,9 +284,11 @@ def _load_draft(plan: SpeculativePlan, k: int, unrolled: bool | None, **options)
     manifest = load_manifest(plan.draft, verify=options["verify"])
     if unrolled is not None:
         flag("unrolled_draft", unrolled)
-    int8 = manifest.int8_activations if options["int8_activations"] is None else options["int8_activations"]
+    int8 = options["int8_activations"]
     if unrolled is None:
         unrolled = "CUDAExecutionProvider" in (options["providers"] or default_providers()) and not int8
+    if int8 is None:  # a draft's numerics never reach the output (verification is exact): its fastest form
+        options["int8_activations"] = int8 = "quantized" in manifest.facts and not unrolled
     if unrolled:
         why = ("the draft has no unrolled graph (compiled before fxllm had them, or for another k: "
                f"{manifest.unrolled_draft.k if manifest.unrolled_draft else 'none'} vs {k})"

@@ -268,6 +268,9 @@ def test_unrolled_draft_choice_and_bad_values(self_int4_artifact, tiny_paged_art
         fxllm.load(self_int4_artifact, unrolled_draft=True, spec_k=3)
     with pytest.raises(InvalidArgumentError, match="int8 activations"):
         fxllm.load(self_int4_artifact, unrolled_draft=True, int8_activations=True)
+    drafter = fxllm.load(self_int4_artifact).speculator.drafter  # a quantized draft: int8 activations, its fastest
+    assert drafter.runner.backend.session.get_session_options().get_session_config_entry(
+        "session.qdq_matmulnbits_accuracy_level") == "4"
     assert fxllm.load(self_int4_artifact, spec_k=3).speculator.k == 3  # another k: the one-step calls
 
 
