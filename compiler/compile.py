@@ -221,18 +221,22 @@ def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, k: i
 
     draft = load_manifest(draft_report.output, verify=False)
     check_same_vocab(target_vocab, draft.spec.vocab_size, spec.describe())
-    _add_unrolled_draft(draft, k)
+    _add_unrolled_draft(draft, k, report)
     report.seconds["draft"] = time.perf_counter() - start
     entry["draft"] = DRAFT_DIR
     return entry
 
 
-def _add_unrolled_draft(draft, k: int) -> None:
+def _add_unrolled_draft(draft, k: int, report: CompileReport) -> None:
     """Write the draft's k steps as one graph next to its one-step model (compiler/targets/unrolled_draft.py) and
-    record it in the draft's manifest."""
+    record it in the draft's manifest; a draft graph it cannot unroll keeps one-step proposals (a report note)."""
     from fxllm.compiler.targets.unrolled_draft import write_unrolled_draft
 
-    path = write_unrolled_draft(draft.model_file, draft.io, draft.spec, k)
+    try:
+        path = write_unrolled_draft(draft.model_file, draft.io, draft.spec, k)
+    except UnsupportedModelError as exc:
+        report.notes.append(f"no unrolled draft graph ({exc}); the draft proposes one token per call")
+        return
     data = {key: value for key, value in draft.data.items() if key not in ("kind", "format_version", "files")}
     write_manifest(draft.directory, {**data, "unrolled_draft": {"model_file": path.name, "k": k}})
 

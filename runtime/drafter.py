@@ -7,29 +7,40 @@ target's block pool nor its prefix cache ever holds draft KV. The cache is reuse
 agree with the sequence: each proposal cuts it back to that common prefix (after a verification: the accepted
 drafts; after proposals that were never verified, say of a preempted request: the tokens before them), feeds the
 sequence's tokens from there (its whole prompt the first time), then its own proposals: one call each, or all k in
-one call through the draft's unrolled graph (runtime/unrolled_draft.py) when the engine loaded it.
+one call through the draft's unrolled graph (runtime/unrolled_draft.py) when the engine loaded it
+(load_draft_model: which of the two, and with which activations).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import numpy as np
 
+from fxllm.errors import InvalidArgumentError
+from fxllm.runtime.backend_ort import default_providers
+from fxllm.runtime.checks import flag
+
 from fxllm.runtime.kv_cache import ContiguousKVCache
+from fxllm.runtime.manifest import load_manifest
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import SamplingParams
 from fxllm.runtime.speculative import NgramProposer, one_hot_probs, processed_probs, sample
 from fxllm.runtime.unrolled_draft import UnrolledDraft
 
+if TYPE_CHECKING:
+    from fxllm.runtime.engine import Engine
+
 
 class Drafter:
-    def __init__(self, mode: str, k: int, vocab_size: int, runner: ModelRunner | None,
-                 unrolled: UnrolledDraft | None = None):
-        """mode "ngram" proposes by prompt lookup (runner None); any other mode runs the draft model: `unrolled`
-        (its k-step graph, k equal to this k) when given, else `runner`, one call per draft token."""
+    def __init__(self, mode: str, k: int, vocab_size: int, model: ModelRunner | UnrolledDraft | None):
+        """mode "ngram" proposes by prompt lookup (model None); any other mode runs the draft model: its runner,
+        one call per draft token, or its k-step graph (k equal to this k), one call per proposal."""
         self.mode = mode
         self.vocab_size = vocab_size
-        self.runner = runner
-        self.unrolled = unrolled
+        self.runner = model if isinstance(model, ModelRunner) else None
+        self.unrolled = model if isinstance(model, UnrolledDraft) else None
         self.ngram = NgramProposer(k=k) if mode == "ngram" else None
         self._caches: dict[int, tuple[ContiguousKVCache, list[int]]] = {}  # sequence id → (KV cache, tokens fed)
 
@@ -69,6 +80,32 @@ class Drafter:
 
     def release(self, seq_id: int) -> None:
         self._caches.pop(seq_id, None)
+
+
+def load_draft_model(directory: Path, k: int, unrolled: bool | None, **options) -> Engine | UnrolledDraft:
+    """The draft artifact at `directory`: its unrolled k-step graph, or an Engine of its own (Engine.load's
+    unrolled_draft and int8_activations say which; `options` are Engine.load's)."""
+    from fxllm.runtime.engine import Engine
+
+    manifest = load_manifest(directory, verify=options["verify"])
+    if unrolled is not None:
+        flag("unrolled_draft", unrolled)
+    int8 = options["int8_activations"]
+    if unrolled is None:
+        unrolled = "CUDAExecutionProvider" in (options["providers"] or default_providers()) and not int8
+    if int8 is None:  # a draft's numerics never reach the output (verification is exact): its fastest form
+        options["int8_activations"] = int8 = "quantized" in manifest.facts and not unrolled
+    if unrolled:
+        graph, refuse = manifest.unrolled_draft, "unrolled_draft=True cannot be used: "
+        if graph is None or graph.k != k:
+            raise InvalidArgumentError("unrolled_draft", f"{refuse}the draft has no unrolled graph for k={k} (it has "
+                                       f"{graph.k if graph else 'none'}: compiled for another k, or before fxllm "
+                                       "wrote them)")
+        if int8:
+            raise InvalidArgumentError("unrolled_draft", f"{refuse}int8 activations: ONNX Runtime does not fuse the "
+                                       "unrolled graph's shared int4 weights")
+        return UnrolledDraft.load(manifest, options["threads"], options["providers"], int8)
+    return Engine.load(directory, spin=False, **options)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -15,8 +15,7 @@ import numpy as np
 
 from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.backend import Backend, load_backend
-from fxllm.runtime.backend_ort import default_providers
-from fxllm.runtime.checks import describe, flag
+from fxllm.runtime.checks import describe
 from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.runtime.driver import CoreDriver
 from fxllm.runtime.engine_core import EngineCore
@@ -29,7 +28,6 @@ from fxllm.runtime.request_validation import (GenerationRequest, check_engine_op
 from fxllm.runtime.results import GenerationResult, collector, raise_failure
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
-from fxllm.runtime.unrolled_draft import UnrolledDraft
 
 DEFAULT_NGRAM_K = 4  # prompt lookup asked for at load time on an artifact compiled without a draft
 
@@ -107,8 +105,12 @@ class Engine:
             k = plan.k if spec_k is None else spec_k
             if not 1 <= k <= MAX_SPEC_K:
                 raise InvalidArgumentError("spec_k", f"spec_k must be between 1 and {MAX_SPEC_K}, got {k}")
-            draft = _load_draft(plan, k, unrolled_draft, threads=threads, providers=providers, verify=verify,
-                                int8_activations=int8_activations) if plan.draft is not None else None
+            draft = None
+            if plan.draft is not None:
+                from fxllm.runtime.drafter import load_draft_model
+
+                draft = load_draft_model(plan.draft, k, unrolled_draft, threads=threads, providers=providers,
+                                         verify=verify, int8_activations=int8_activations)
             draft_plan = (plan.mode, k, draft)
         return cls(manifest.directory, manifest, runner, tokenizer, kv_cache_memory, kv_blocks, max_batch,
                    max_tokens_per_step, prefix_caching, draft_plan)
@@ -264,8 +266,8 @@ def _speculative_plan(manifest: Manifest, speculative: bool | str) -> Speculativ
 
 
 def _speculator(runner: ModelRunner, paged: bool, max_context: int, speculative):
-    """speculative: None, or (mode, k, draft Engine or None) → a Speculator over the target's runner: batched on a
-    paged artifact, one request at a time on a contiguous one."""
+    """speculative: None, or (mode, k, the draft: an Engine, an UnrolledDraft or None) → a Speculator over the
+    target's runner: batched on a paged artifact, one request at a time on a contiguous one."""
     if speculative is None:
         return None
     from fxllm.runtime.drafter import Drafter
@@ -273,31 +275,9 @@ def _speculator(runner: ModelRunner, paged: bool, max_context: int, speculative)
     from fxllm.runtime.speculator import PagedSpeculator
 
     mode, k, draft = speculative
-    unrolled = draft if isinstance(draft, UnrolledDraft) else None
-    drafter = Drafter(mode, k, runner.spec.vocab_size, draft.runner if draft and not unrolled else None, unrolled)
+    drafter = Drafter(mode, k, runner.spec.vocab_size, draft.runner if isinstance(draft, Engine) else draft)
     context = min(max_context, draft.max_context) if draft else max_context  # never propose past either's context
     return (PagedSpeculator if paged else SpeculativeDecoder)(runner, drafter, k, context)
-
-
-def _load_draft(plan: SpeculativePlan, k: int, unrolled: bool | None, **options) -> Engine | UnrolledDraft:
-    """The draft model: its unrolled k-step graph (see Engine.load's unrolled_draft), or an Engine of its own."""
-    manifest = load_manifest(plan.draft, verify=options["verify"])
-    if unrolled is not None:
-        flag("unrolled_draft", unrolled)
-    int8 = options["int8_activations"]
-    if unrolled is None:
-        unrolled = "CUDAExecutionProvider" in (options["providers"] or default_providers()) and not int8
-    if int8 is None:  # a draft's numerics never reach the output (verification is exact): its fastest form
-        options["int8_activations"] = int8 = "quantized" in manifest.facts and not unrolled
-    if unrolled:
-        why = ("the draft has no unrolled graph (compiled before fxllm had them, or for another k: "
-               f"{manifest.unrolled_draft.k if manifest.unrolled_draft else 'none'} vs {k})"
-               if manifest.unrolled_draft is None or manifest.unrolled_draft.k != k else
-               "int8 activations: ONNX Runtime does not fuse the unrolled graph's shared int4 weights" if int8 else None)
-        if why is not None:
-            raise InvalidArgumentError("unrolled_draft", f"unrolled_draft=True cannot be used: {why}")
-        return UnrolledDraft.load(manifest, options["threads"], options["providers"], int8)
-    return Engine.load(plan.draft, spin=False, **options)
 
 
 def _new_request_id() -> str:

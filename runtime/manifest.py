@@ -32,9 +32,7 @@ class SpeculativePlan:
 
 
 @dataclass(frozen=True)
-class UnrolledDraftFile:
-    """A draft artifact's k-step graph (runtime/contract.py UnrolledDraftIO), next to its one-step model file."""
-
+class UnrolledDraftFile:  # a draft artifact's k-step graph (contract.py UnrolledDraftIO) beside its one-step model
     model_file: Path
     k: int
 
@@ -162,11 +160,6 @@ class _Fields:
         return resolved
 
 
-def _type_name(hint: Any) -> str:
-    """A type hint as a reader writes it: int, str | None, list[int] (not <class 'int'>)."""
-    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
-
-
 def _spec(data: dict[str, Any], fields_: _Fields) -> ModelSpec:
     hints = get_type_hints(ModelSpec)
     known = {f.name for f in fields(ModelSpec)}
@@ -175,8 +168,8 @@ def _spec(data: dict[str, Any], fields_: _Fields) -> ModelSpec:
         fields_.fail(f"spec.{unknown[0]}", "is not a model-spec field")
     for name in known & set(data):
         if not _matches(data[name], hints[name]):
-            fields_.fail(f"spec.{name}", f"has the wrong type ({type(data[name]).__name__}, expected "
-                                             f"{_type_name(hints[name])})")
+            hint = hints[name].__name__ if isinstance(hints[name], type) else str(hints[name]).replace("typing.", "")
+            fields_.fail(f"spec.{name}", f"has the wrong type ({type(data[name]).__name__}, expected {hint})")
     try:
         spec = ModelSpec.from_dict(data)
     except TypeError as exc:  # a required field is missing
