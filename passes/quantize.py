@@ -93,6 +93,7 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
         formats[head] = _side_format(lm_head, group_size)
     start = time.perf_counter()
     tokens = None
+    seq_len = min(seq_len, program.spec.max_positions)  # a window past the context (learned positions) cannot run
     if method in CALIBRATED:
         if program.tokenizer is None:
             raise PipelineError(f"quantize: method {method} needs calibration text, and this program has no tokenizer")

@@ -205,6 +205,20 @@ def test_variants_through_paged_and_int8(arch, tokenizer, tmp_path):
           f"greedy {drift.greedy_agreement:.0%}")
 
 
+def test_learned_positions_quantize_and_draft_unrolled(tokenizer, tmp_path):
+    """OPT (learned positions, a context of 256 under the quantizer's 512-token windows): a self-int4 draft
+    compiles (the calibration windows are cut to the context) and its unrolled graph proposes what its one-step
+    calls do: the target's greedy tokens either way."""
+    directory = build_model("opt", tmp_path / "opt", tokenizer)
+    fxllm.compile(directory, tmp_path / "spec", draft="self-int4", spec_k=3)
+    plain = fxllm.load(tmp_path / "spec", speculative=False)
+    expected = [r.token_ids for r in plain.generate(PROMPTS, max_new_tokens=16)]
+    for unrolled in (False, True):
+        engine = fxllm.load(tmp_path / "spec", unrolled_draft=unrolled)
+        assert [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=16)] == expected, unrolled
+        assert engine.stats().speculative.accepted > 0
+
+
 def test_sliding_window_blocks_are_released(tokenizer, tmp_path):
     """Every Mistral layer slides: a paged sequence holds only the blocks its window reaches, not its context."""
     directory = build_model("mistral", tmp_path / "mistral", tokenizer)

@@ -284,7 +284,8 @@ def test_quantize_bad_options(make_tiny_model, tmp_path):
                           ("method=int4-rtn;lm_head=int2", "lm_head must be one of"),
                           ("method=int8;zero_point=true", "zero_point applies to the int4 methods"),
                           (f"method=int4-gptq;calib={empty}", "is empty"),
-                          (f"method=int4-awq;calib={short}", "has 8 tokens; 16 samples of 512 tokens need 8192"),
+                          (f"method=int4-awq;calib={short}",  # windows cut to the tiny model's 256 positions
+                           "has 8 tokens; 16 samples of 256 tokens need 4096"),
                           (f"method=int4-gptq;calib={tmp_path / 'missing.txt'}",
                            "the calibration text '.*missing.txt' does not exist")]:
         with pytest.raises(PipelineError, match=message):
