@@ -105,7 +105,9 @@ class ModelRunner:
             cache.select_rows(keep)
             mask = mask[keep]
             padding = int(mask.any(0).argmax())  # leading columns that are padding in every remaining row
-            if padding:
+            # a shared buffer keeps them: its attention may rotate by cache row (ort attention-rotary), and
+            # dropping columns would move the queries' rows but not the keys already rotated
+            if padding and not isinstance(cache, SharedKVCache):
                 cache.drop_leading(padding)
                 mask = mask[:, padding:]
             self._rows, self._mask = list(batch.requests), mask

@@ -91,7 +91,16 @@ def test_group_query_attention_and_skip_norm_form(float_lowerings, float_program
     assert lowered.legalized["group-query-attention"] == counts["GroupQueryAttention"] == layers
     assert lowered.legalized["skip-rms-norm"] == counts["SkipSimplifiedLayerNormalization"] == 2 * layers
     assert "Attention" not in counts and "Concat" not in counts and "Transpose" not in counts
-    assert counts["RotaryEmbedding"] == 2 * layers  # kept outside the attention, on the 3D q and k
+    # attention-rotary: the rotary moved into the attention, which reads the fused q/k/v projection whole
+    assert lowered.legalized["attention-rotary"] == layers and "RotaryEmbedding" not in counts
+    assert counts["Split"] == layers  # the gate/up split only
+    graph = onnx.load(str(path), load_external_data=False).graph
+    attention = next(node for node in graph.node if node.op_type == "GroupQueryAttention")
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}
+    assert attributes["do_rotary"] == 1 and attention.input[1] == attention.input[2] == ""
+    tables = {i.name: i for i in graph.initializer}
+    assert list(tables[attention.input[7]].dims) == [2 * float_program.spec.max_positions,
+                                                    float_program.spec.head_dim // 2]
     io = ModelIO.from_signature(lowered.inputs, lowered.outputs)
     assert io.shared_buffer and io.aliases["present_key_0"] == "past_key_0"
     graph_inputs = {i.name: i for i in onnx.load(str(path), load_external_data=False).graph.input}
