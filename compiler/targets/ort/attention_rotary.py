@@ -17,9 +17,10 @@ shift queries but not the keys already rotated), and the tables cover twice the 
 row's rows can reach the longest prompt plus the longest generation.
 
 Tables. cos_table[p] / sin_table[p] are what the graph computes for position p: the subgraph from `position_ids`
-to the RotaryEmbeddings' cos and sin inputs is evaluated by ONNX Runtime at compile time on positions 0..n−1.
-The step applies only when that subgraph reads nothing but `position_ids` and constants and gives the same rows
-for two different lengths (a table that depends on the sequence length, such as dynamic NTK scaling, is left
+to the RotaryEmbeddings' cos and sin inputs, copied onto constant positions 0..n−1, which ONNX Runtime folds into
+two tables when the session loads (the file gains a few nodes, not the tables). The step applies only when that
+subgraph reads nothing but `position_ids` and constants and, evaluated at compile time, gives the same rows for
+two different lengths (a table that depends on the sequence length, such as dynamic NTK scaling, is left
 alone), the rotary spans the whole head and its half-width is a multiple of 8 (the op's rule). All or nothing:
 when one attention does not match, the graph keeps its separate rotaries. `position_ids` stays a graph input
 (unused after the step) so the calling convention does not change.
@@ -46,23 +47,20 @@ def apply(model: ir.Model, context) -> int:
     if any(site is None for site in sites):
         return 0
     rows = 2 * int(context.spec.max_positions)
-    tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray] | None] = {}
+    cones: dict[tuple[int, int], list[ir.Node] | None] = {}
+    for site in sites:
+        key = (id(site.cos), id(site.sin))
+        if key not in cones:
+            cones[key] = _checked_cone(model, site.cos, site.sin, positions, rows, site.head_dim)
+        if cones[key] is None:
+            return 0
+    build = Builder(graph, f"lowering:ort/{NAME}")
+    tables: dict[tuple[int, int], tuple[ir.Value, ir.Value]] = {}
     for site in sites:
         key = (id(site.cos), id(site.sin))
         if key not in tables:
-            tables[key] = _tables(model, site.cos, site.sin, positions, rows, site.head_dim)
-        if tables[key] is None:
-            return 0
-    build = Builder(graph, f"lowering:ort/{NAME}")
-    values: dict[tuple[int, int], tuple[ir.Value, ir.Value]] = {}
-    for site in sites:
-        key = (id(site.cos), id(site.sin))
-        if key not in values:
-            cos, sin = tables[key]
-            index = len(values)
-            values[key] = (build.initializer(f"rotary_cos_table_{index}", cos),
-                           build.initializer(f"rotary_sin_table_{index}", sin))
-        _rewrite(build, site, *values[key])
+            tables[key] = _table_subgraph(build, cones[key], (site.cos, site.sin), positions, rows, len(tables))
+        _rewrite(build, site, *tables[key])
     return len(sites)
 
 
@@ -119,10 +117,11 @@ def _last_dim(value: ir.Value) -> int | None:
     return dim if isinstance(dim, int) else None
 
 
-def _tables(model: ir.Model, cos: ir.Value, sin: ir.Value, positions: ir.Value, rows: int,
-            head_dim: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """[rows, head_dim/2] cos and sin tables: the graph's own subgraph evaluated on positions 0..rows−1 (None when
-    it reads anything but position_ids and constants, depends on the length, or has the wrong width)."""
+def _checked_cone(model: ir.Model, cos: ir.Value, sin: ir.Value, positions: ir.Value, rows: int,
+                  head_dim: int) -> list[ir.Node] | None:
+    """The nodes computing cos and sin from position_ids, when ONNX Runtime gives [rows, head_dim/2] tables from
+    them on positions 0..rows−1, equal in their first rows/2 rows to a run on rows/2 positions (else None: they read
+    anything but position_ids and constants, depend on the length, or have the wrong width)."""
     if head_dim % 2 or (head_dim // 2) % 8:
         return None
     nodes = _cone(model.graph, (cos, sin), positions)
@@ -131,13 +130,41 @@ def _tables(model: ir.Model, cos: ir.Value, sin: ir.Value, positions: ir.Value, 
     short, full = _evaluate(model, nodes, (cos, sin), rows // 2), _evaluate(model, nodes, (cos, sin), rows)
     if short is None or full is None:
         return None
-    tables = []
     for half, whole in zip(short, full):
         if whole.ndim == 3 and whole.shape[0] == 1:
             half, whole = half[0], whole[0]
-        if whole.shape != (rows, head_dim // 2) or not np.array_equal(half, whole[: rows // 2]):
+        if whole.shape != (rows, head_dim // 2) or whole.dtype != np.float32:
             return None
-        tables.append(np.ascontiguousarray(whole, dtype=np.float32))
+        if not np.array_equal(half, whole[: rows // 2]):
+            return None
+    return nodes
+
+
+def _table_subgraph(build: Builder, nodes: list[ir.Node], outputs: tuple[ir.Value, ir.Value], positions: ir.Value,
+                    rows: int, index: int) -> tuple[ir.Value, ir.Value]:
+    """A copy of the cos/sin subgraph on the constant positions [[0, ..., rows−1]], reshaped to [rows, width]. Every
+    input of the copy is constant, so ONNX Runtime folds it into the two tables when the session loads: the file
+    holds a few nodes, not the tables (2 × context rows each)."""
+    first = next(iter(build.graph))
+    bounds = [build.initializer(f"rotary_table_{index}_{name}", np.asarray(value, dtype=np.int64))
+              for name, value in (("start", 0), ("limit", rows), ("delta", 1), ("axes", [0]))]
+    arange = build.node("Range", bounds[:3], before=first).outputs[0]
+    table_positions = build.node("Unsqueeze", [arange, bounds[3]], before=first).outputs[0]
+    mapped: dict[int, ir.Value] = {id(positions): table_positions}
+    for node in nodes:
+        copy = build.node(node.op_type, [None if v is None else mapped.get(id(v), v) for v in node.inputs],
+                          {name: attr for name, attr in node.attributes.items()}, before=first, domain=node.domain,
+                          outputs=len(node.outputs), name=f"{node.name}_rotary_table_{index}")
+        for old, new in zip(node.outputs, copy.outputs):
+            mapped[id(old)] = new
+            if old.dtype is not None:
+                new.dtype = old.dtype
+    shape = build.initializer(f"rotary_table_{index}_shape", np.asarray([rows, -1], dtype=np.int64))
+    tables = []
+    for kind, value in zip(("cos", "sin"), outputs):
+        table = build.node("Reshape", [mapped[id(value)], shape], before=first).outputs[0]
+        table.name, table.dtype = f"rotary_{kind}_table_{index}", ir.DataType.FLOAT
+        tables.append(table)
     return tables[0], tables[1]
 
 

@@ -12,8 +12,8 @@ the same buffer as present_* (the runtime binds both to one array, so nothing is
 Runtime would copy the buffer). total = attention_mask's length; seqlens_k = total − 1 for every row (rows are
 left-padded to one length); attention_bias = 0 where the kv-cache mask is true and the float32 minimum elsewhere,
 so padding stays hidden and every query still sees itself (exactly the standard form's mask: GroupQueryAttention's
-own causal rule, bottom-right aligned, agrees with it). The rotary embedding stays outside: the op's own rotary
-reads positions from the first element only on a prompt, which left-padded rows contradict.
+own causal rule, bottom-right aligned, agrees with it). The rotary embedding stays outside here, on the 3D q and
+k; the next step, attention-rotary, moves it into the op where the tables allow.
 
 All or nothing: when one attention does not match the pattern the graph keeps the standard form, so an artifact
 has one calling convention.
