@@ -28,10 +28,12 @@ when one attention does not match, the graph keeps its separate rotaries. `posit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_ir as ir
 
-from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, constant, producer
+from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, constant, producer, static_dims, take_place
 from fxllm.runtime.contract import POSITION_IDS
 
 NAME = "attention-rotary"
@@ -64,12 +66,21 @@ def apply(model: ir.Model, context) -> int:
     return len(sites)
 
 
+@dataclass
 class _Site:
-    def __init__(self, attention: ir.Node, q_rotary: ir.Node, k_rotary: ir.Node, packed: ir.Value | None,
-                 head_dim: int):
-        self.attention, self.q_rotary, self.k_rotary, self.packed = attention, q_rotary, k_rotary, packed
-        self.cos, self.sin = q_rotary.inputs[1], q_rotary.inputs[2]
-        self.head_dim = head_dim
+    attention: ir.Node
+    q_rotary: ir.Node
+    k_rotary: ir.Node
+    packed: ir.Value | None  # the fused q/k/v projection, when one Split gives all three
+    head_dim: int
+
+    @property
+    def cos(self) -> ir.Value:
+        return self.q_rotary.inputs[1]
+
+    @property
+    def sin(self) -> ir.Value:
+        return self.q_rotary.inputs[2]
 
 
 def _match(attention: ir.Node) -> _Site | None:
@@ -88,8 +99,9 @@ def _match(attention: ir.Node) -> _Site | None:
     if len(interleaved) != 1 or any(r.attributes.get_int("rotary_embedding_dim", 0) for r in rotaries):
         return None
     q_heads = attention.attributes.get_int("num_heads", 0)
-    width = _last_dim(q_rotary.inputs[0])
-    if not q_heads or width is None or width % q_heads:
+    dims = static_dims(q_rotary.inputs[0])
+    width = dims[-1] if dims else None
+    if not q_heads or not isinstance(width, int) or width % q_heads:
         return None
     return _Site(attention, q_rotary, k_rotary, _packed_source(q_rotary, k_rotary, inputs[2]), width // q_heads)
 
@@ -110,13 +122,6 @@ def _packed_source(q_rotary: ir.Node, k_rotary: ir.Node, v: ir.Value | None) -> 
     return source
 
 
-def _last_dim(value: ir.Value) -> int | None:
-    if value.shape is None or not value.shape.dims:
-        return None
-    dim = value.shape.dims[-1]
-    return dim if isinstance(dim, int) else None
-
-
 def _checked_cone(model: ir.Model, cos: ir.Value, sin: ir.Value, positions: ir.Value, rows: int,
                   head_dim: int) -> list[ir.Node] | None:
     """The nodes computing cos and sin from position_ids, when ONNX Runtime gives [rows, head_dim/2] tables from
@@ -127,9 +132,10 @@ def _checked_cone(model: ir.Model, cos: ir.Value, sin: ir.Value, positions: ir.V
     nodes = _cone(model.graph, (cos, sin), positions)
     if nodes is None:
         return None
-    short, full = _evaluate(model, nodes, (cos, sin), rows // 2), _evaluate(model, nodes, (cos, sin), rows)
-    if short is None or full is None:
+    results = _evaluate(model, nodes, (cos, sin), (rows // 2, rows))
+    if results is None:
         return None
+    short, full = results
     for half, whole in zip(short, full):
         if whole.ndim == 3 and whole.shape[0] == 1:
             half, whole = half[0], whole[0]
@@ -153,7 +159,7 @@ def _table_subgraph(build: Builder, nodes: list[ir.Node], outputs: tuple[ir.Valu
     mapped: dict[int, ir.Value] = {id(positions): table_positions}
     for node in nodes:
         copy = build.node(node.op_type, [None if v is None else mapped.get(id(v), v) for v in node.inputs],
-                          {name: attr for name, attr in node.attributes.items()}, before=first, domain=node.domain,
+                          dict(node.attributes), before=first, domain=node.domain,
                           outputs=len(node.outputs), name=f"{node.name}_rotary_table_{index}")
         for old, new in zip(node.outputs, copy.outputs):
             mapped[id(old)] = new
@@ -192,8 +198,8 @@ def _cone(graph: ir.Graph, outputs: tuple[ir.Value, ...], positions: ir.Value) -
 
 
 def _evaluate(model: ir.Model, nodes: list[ir.Node], outputs: tuple[ir.Value, ...],
-              rows: int) -> list[np.ndarray] | None:
-    """Run `nodes` in ONNX Runtime with position_ids = [[0, ..., rows−1]]."""
+              lengths: tuple[int, ...]) -> list[list[np.ndarray]] | None:
+    """`outputs` from running `nodes` in one ONNX Runtime session on position_ids = [[0, ..., n−1]], per length n."""
     import onnx
     import onnxruntime as ort
 
@@ -213,7 +219,7 @@ def _evaluate(model: ir.Model, nodes: list[ir.Node], outputs: tuple[ir.Value, ..
     proto = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=10)
     try:
         session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, {POSITION_IDS: np.arange(rows, dtype=np.int64)[None]})
+        return [session.run(None, {POSITION_IDS: np.arange(n, dtype=np.int64)[None]}) for n in lengths]
     except Exception:  # a subgraph ONNX Runtime cannot run alone: keep the separate rotaries
         return None
 
@@ -231,8 +237,4 @@ def _rewrite(build: Builder, site: _Site, cos: ir.Value, sin: ir.Value) -> None:
                      before=attention, domain=MS_DOMAIN, outputs=len(attention.outputs),
                      name=f"{attention.name}_rotary")
     for old, value in zip(attention.outputs, new.outputs):
-        name = old.name
-        value.dtype, value.shape = old.dtype, None if old.shape is None else ir.Shape(list(old.shape.dims))
-        old.name = f"{name}_separate_rotary"
-        old.replace_all_uses_with(value, replace_graph_outputs=True)
-        value.name = name
+        take_place(old, value, "separate_rotary")

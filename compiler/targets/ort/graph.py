@@ -87,6 +87,16 @@ def remove_unused(model: ir.Model) -> None:
     RemoveUnusedNodesPass()(model)
 
 
+def take_place(old: ir.Value, new: ir.Value, aside: str) -> None:
+    """`new` replaces `old` everywhere (graph outputs included) under old's name, dtype and shape; old is renamed
+    `<name>_<aside>` so the two never share a name before the unused one is removed."""
+    name = old.name
+    new.dtype, new.shape = old.dtype, copy_shape(old)
+    old.name = f"{name}_{aside}"
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    new.name = name
+
+
 def copy_shape(value: ir.Value) -> ir.Shape | None:
     """A new Shape equal to value's (shapes and types are objects: sharing one would let a later edit of the
     original, such as store_half_scales' dtype change, leak into the copy)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, copy_shape, producer, static_dims
+from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, copy_shape, producer, static_dims, take_place
 from fxllm.runtime.contract import (ATTENTION_MASK, CONTIGUOUS, KV_CAPACITY, TensorSig, cache_input, cache_output,
                                     parse_cache_name)
 
@@ -145,12 +145,8 @@ def _rewrite(build: Builder, site: Site, seqlens: ir.Value, total: ir.Value, bia
     out.name, out.dtype = f"gqa_{site.layer}_output", ir.DataType.FLOAT
     batch, tokens = q.shape[0] if q.shape else None, q.shape[1] if q.shape else None
     out.shape = ir.Shape([batch, tokens, site.q_heads * site.head_dim])
-    for concat, new, kind in ((key_concat, present_key, "key"), (value_concat, present_value, "value")):
-        old = concat.outputs[0]
-        name = old.name
-        old.name = f"{name}_concat"
-        old.replace_all_uses_with(new, replace_graph_outputs=True)
-        new.name, new.dtype, new.shape = name, ir.DataType.FLOAT, copy_shape(old)
+    for concat, new in ((key_concat, present_key), (value_concat, present_value)):
+        take_place(concat.outputs[0], new, "concat")
     _replace_output(build, attention.outputs[0], out, site)
 
 
