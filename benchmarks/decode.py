@@ -159,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--row", action="append", default=[], type=parse_variant, metavar="NAME=ARTIFACT",
                         help="also measure an already compiled artifact directory, as row 'fxllm NAME' (repeatable)")
     parser.add_argument("--llamacpp", action="append", default=[], metavar="GGUF",
-                        help="also measure this GGUF file with llama.cpp (llama-cpp-python, in the venv that "
-                             "benchmarks/llamacpp_baseline.py setup builds; repeatable)")
+                        help="also measure this GGUF file with llama.cpp (its C API, a prebuilt CPU library in the venv "
+                             "that benchmarks/llamacpp_baseline.py setup makes; repeatable)")
     parser.add_argument("--int8-activations", action="store_true",
                         help="quantized fxllm rows: int8 matmul activations (MatMulNBits accuracy level 4, what "
                              "onnxruntime-genai's int4 CPU models use: like for like with --ortgenai); default: what "
@@ -352,7 +352,7 @@ def ortgenai_runner(variant: str, python: str | None, threads: int) -> Runner:
 
 
 def llamacpp_runner(gguf: Path, threads: int) -> Runner:
-    """llama.cpp through llama-cpp-python (its own venv, through subprocess): the same prompt ids, greedy."""
+    """llama.cpp's C API (a prebuilt library in its own venv, through subprocess): the same prompt ids, greedy."""
     import llamacpp_baseline
 
     def measure(work: Workload) -> Measurement:
