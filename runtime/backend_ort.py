@@ -51,9 +51,14 @@ class OrtBackend:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.aliases = dict(aliases or {})
+        self._aliased_inputs = {source: output for output, source in self.aliases.items()}
         self._binding = self.session.io_binding() if self.aliases else None
-        self._bound: dict[str, tuple] = {}  # input name → (address, shape, dtype) it is bound to
+        self._bound: dict[str, np.ndarray] = {}  # input name → the array it is bound to (kept alive: ids stay valid)
         self._binding_order: list[str] = []  # outputs in the order IOBinding returns them (first bound first)
+        self._input_dims = {i.name: [(axis, d) for axis, d in enumerate(i.shape) if isinstance(d, str)]
+                            for i in self.session.get_inputs()}
+        self._output_dims = {o.name: list(o.shape) for o in self.session.get_outputs()}
+        self._output_dtypes = {o.name: _NUMPY_DTYPES.get(_dtype(o.type)) for o in self.session.get_outputs()}
 
     @property
     def providers(self) -> list[str]:
@@ -77,37 +82,63 @@ class OrtBackend:
 
     def _run_bound(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One call with the aliased outputs written into their inputs' arrays. Bindings are kept between calls
-        and redone only for an array at a new address or of a new shape (the KV buffers rarely move)."""
+        and redone only for an input array that is not the one bound last time (the KV buffers rarely move).
+        Outputs whose shape the inputs determine (logits: [batch, selected, vocab]) are written into arrays
+        allocated here, so no output needs fetching from ONNX Runtime after the call."""
         binding = self._binding
-        aliased_inputs = {source: output for output, source in self.aliases.items()}
-        arrays = {name: np.ascontiguousarray(array) for name, array in feeds.items()}
-        for name, array in arrays.items():
-            key = (array.__array_interface__["data"][0], array.shape, array.dtype.str)
-            if self._bound.get(name) == key:
+        arrays, dims = {}, {}
+        for name, array in feeds.items():
+            if self._bound.get(name) is not array:
+                array = np.ascontiguousarray(array)
+                binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+                self._bound[name] = array
+                if name in self._aliased_inputs:
+                    self._bind_output(self._aliased_inputs[name], array)
+            arrays[name] = array
+            for axis, dim in self._input_dims.get(name, ()):
+                dims[dim] = array.shape[axis]
+        fetched = []  # outputs left to ONNX Runtime's allocation
+        allocated = {}
+        for name in self.output_names:
+            if name in self.aliases:
                 continue
-            binding.bind_input(name, "cpu", 0, array.dtype, array.shape, key[0])
-            self._bound[name] = key
-            if name in aliased_inputs:
-                self._bind_output(aliased_inputs[name], array)
-        for name in self.output_names:
-            if name not in self.aliases:
+            shape = _resolve(self._output_dims[name], dims)
+            if shape is None or self._output_dtypes[name] is None:
                 self._bind_output(name, None)
+                fetched.append(name)
+            else:
+                allocated[name] = np.empty(shape, self._output_dtypes[name])
+                self._bind_output(name, allocated[name])
         self.session.run_with_iobinding(binding)
-        values = dict(zip(self._binding_order, binding.get_outputs()))
-        outputs = {}
-        for name in self.output_names:
-            source = self.aliases.get(name)
-            outputs[name] = arrays[source] if source is not None else values[name].numpy()
-        return outputs
+        if fetched:
+            values = dict(zip(self._binding_order, binding.get_outputs()))
+            allocated.update({name: values[name].numpy() for name in fetched})
+        return {name: arrays[self.aliases[name]] if name in self.aliases else allocated[name]
+                for name in self.output_names}
 
     def _bind_output(self, name: str, array: np.ndarray | None) -> None:
         if array is None:
             self._binding.bind_output(name, "cpu")
         else:
-            self._binding.bind_output(name, "cpu", 0, array.dtype, array.shape,
-                                      array.__array_interface__["data"][0])
+            self._binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
         if name not in self._binding_order:
             self._binding_order.append(name)
+
+
+_NUMPY_DTYPES = {name: np.dtype(name) for name in ("float32", "float16", "float64", "int64", "int32", "bool")}
+
+
+def _resolve(dims: list, sizes: dict[str, int]) -> tuple[int, ...] | None:
+    """An output's shape from its dims (ints, or dim names the inputs fixed in `sizes`), or None if any is not."""
+    shape = []
+    for dim in dims:
+        if isinstance(dim, int):
+            shape.append(dim)
+        elif dim in sizes:
+            shape.append(sizes[dim])
+        else:
+            return None
+    return tuple(shape)
 
 
 def _dtype(onnx_type: str) -> str:

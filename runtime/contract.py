@@ -17,6 +17,8 @@ present_{kind}_{layer} is that same buffer, which the caller binds to the same m
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 import re
@@ -55,11 +57,13 @@ _CACHE_NAMES = {  # cache kind → (input pattern, output pattern)
 _CACHE_NAME = re.compile(r"^(?:(past|present|new)_(key|value)_|(key|value)_cache_)(0|[1-9][0-9]*)$")
 
 
+@functools.cache
 def cache_input(cache: str, kind: str, layer: int) -> str:
     """Name of layer `layer`'s K or V cache input: past_key_3 (contiguous), key_cache_3 (paged)."""
     return _CACHE_NAMES[cache][0].format(kind=kind, layer=layer)
 
 
+@functools.cache
 def cache_output(cache: str, kind: str, layer: int) -> str:
     """Name of layer `layer`'s K or V cache output: present_key_3 (contiguous), new_key_3 (paged)."""
     return _CACHE_NAMES[cache][1].format(kind=kind, layer=layer)
