@@ -138,6 +138,27 @@ def test_shared_buffer_grows_and_rolls_back(float_lowerings, float_program, toke
     assert [int(row.argmax()) for row in logits] == want[3:7]
 
 
+def test_bound_steps_write_fresh_logits_without_fetching_outputs(float_lowerings, float_program, tokenizer,
+                                                                  monkeypatch):
+    """On a shared-buffer artifact the logits' shape follows from the inputs' dims, so the backend writes them into
+    an array of its own per call (nothing is fetched from ONNX Runtime afterwards) and a later step never
+    overwrites logits an earlier one returned."""
+    path, lowered = float_lowerings["legalized"]
+    io = ModelIO.from_signature(lowered.inputs, lowered.outputs)
+    backend = OrtBackend(path, threads=1, aliases=io.aliases)
+    runner = ModelRunner(backend, io, float_program.spec)
+    monkeypatch.setattr(backend._binding, "get_outputs", lambda: pytest.fail("outputs were fetched"))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    want, want_logits = greedy(*float_lowerings["standard"], float_program, ids, steps=2)
+    cache = runner.new_cache()
+    first = runner.step_one(cache, ids, 0, all_logits=False)
+    kept = first.copy()
+    second = runner.step_one(cache, want[:1], len(ids), all_logits=False)
+    assert not np.shares_memory(first, second)
+    np.testing.assert_array_equal(first, kept)
+    np.testing.assert_allclose(second[-1], want_logits[1][-1], atol=1e-4)
+
+
 def test_engine_batches_left_padded_rows_on_the_shared_buffer(make_tiny_model, tmp_path):
     """The whole runtime: batched prompts of different lengths (left padding, rows leaving the batch) on the
     legalized artifact give the standard form's tokens."""
