@@ -18,7 +18,6 @@ present_{kind}_{layer} is that same buffer, which the caller binds to the same m
 from __future__ import annotations
 
 import functools
-
 import hashlib
 import json
 import re
