@@ -58,7 +58,8 @@ def setup_venv(venv: Path = DEFAULT_VENV, base_python: str = "python3") -> Path:
     if not glob.glob(str(venv / LIBRARY_GLOB)):
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:", WHEEL],
                        check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "cffi", "numpy"], check=True)
+    if subprocess.run([str(python), "-c", "import cffi, numpy"], capture_output=True).returncode != 0:
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "cffi", "numpy"], check=True)
     return python
 
 
