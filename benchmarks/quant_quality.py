@@ -11,6 +11,10 @@ interruption), then the table is printed with bits per quantized weight (scales 
     .venv/bin/python benchmarks/quant_quality.py                          # every configuration (hours on 2 cores)
     .venv/bin/python benchmarks/quant_quality.py --only gptq-asym-g64,rtn-asym-g64
     .venv/bin/python benchmarks/quant_quality.py --table                  # print the table of recorded results
+    .venv/bin/python benchmarks/quant_quality.py --only awq-asym-g128-head4 --ortgenai int4 --int8-activations
+
+`--ortgenai VARIANT` also scores onnxruntime-genai's build of the same model (benchmarks/ortgenai_baseline.py) on
+the same windows and token ids, run by plain ONNX Runtime, so fxllm's speed rows can be compared at their quality.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ for group in (32, 64, 128):
             CONFIGS[f"{method}-{'asym' if zero_point else 'sym'}-g{group}"] = {
                 "requantize": True, "quant": f"int4-{method}",
                 "quant_options": {"group_size": group, "zero_point": zero_point}}
+        # the speed configurations of benchmarks/decode.py: the lm_head quantized too (int4, same group size)
+        CONFIGS[f"{method}-asym-g{group}-head4"] = {
+            "requantize": True, "quant": f"int4-{method}",
+            "quant_options": {"group_size": group, "zero_point": True, "lm_head": "int4"}}
 
 
 def compile_config(name: str, recompile: bool) -> tuple[Path, float | None]:
@@ -99,6 +107,60 @@ def measure(name: str, recompile: bool, float_activations: bool) -> dict[str, An
             "eval_s": round(time.perf_counter() - start, 1)}
 
 
+def ortgenai_scorer(variant: str, threads: int = 2):
+    """A Scorer over onnxruntime-genai's build of SmolLM2 (built on demand), run by plain ONNX Runtime: its contrib
+    ops (GroupQueryAttention, MatMulNBits at the accuracy level the builder wrote) need no onnxruntime-genai. One call
+    per window with an empty cache; the fp32 reference artifact's tokenizer (the same SmolLM2 tokenizer), so both
+    score identical token ids."""
+    import numpy as np
+    import onnxruntime as ort
+    from fxllm.evaluation import Scorer
+    from fxllm.runtime.tokenizer import load_tokenizer
+
+    import ortgenai_baseline
+
+    model_dir = ortgenai_baseline.ensure_model(variant, threads=threads)
+    reference, _ = compile_config(REFERENCE, False)
+
+    class OrtGenaiScorer(Scorer):
+        def __init__(self) -> None:
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.log_severity_level = 3
+            self.session = ort.InferenceSession(str(model_dir / "model.onnx"), options,
+                                                providers=["CPUExecutionProvider"])
+            self.name, self.kind = f"onnxruntime-genai {variant}", "onnxruntime-genai"
+            self.tokenizer = load_tokenizer(load_manifest(reference, verify=False).tokenizer_dir)
+            config = json.loads((model_dir / "genai_config.json").read_text())["model"]
+            self.max_context, self.head_size = config["context_length"], config["decoder"]["head_size"]
+
+        def logits(self, token_ids: list[int]) -> np.ndarray:
+            feeds = {"input_ids": np.asarray([token_ids], np.int64),
+                     "attention_mask": np.ones((1, len(token_ids)), np.int64)}
+            for i in self.session.get_inputs():
+                if i.name.startswith("past_key_values."):  # [batch, kv heads, past, head size], empty
+                    feeds[i.name] = np.zeros((1, i.shape[1], 0, self.head_size), np.float32)
+            return self.session.run(["logits"], feeds)[0][0]
+
+    return OrtGenaiScorer(), model_dir
+
+
+def measure_ortgenai(variant: str) -> dict[str, Any]:
+    from fxllm.evaluation import evaluate
+
+    scorer, model_dir = ortgenai_scorer(variant)
+    reference, _ = compile_config(REFERENCE, False)
+    start = time.perf_counter()
+    report = evaluate(scorer, "britannica", ctx=512, max_tokens=8192, reference=str(reference))
+    build = json.loads((model_dir / "fxllm-build.json").read_text())
+    return {"name": scorer.name, "options": {"builder_args": build["builder_args"]},
+            "float_activations": variant != "int4",  # its int4 MatMulNBits run at accuracy level 4 (int8)
+            "perplexity": report.perplexity, "reference_perplexity": report.reference_perplexity,
+            "mean_kl": report.mean_kl, "top1": report.top1_agreement, "tokens": report.tokens,
+            "bits_per_weight": None, "model_bytes": sum(p.stat().st_size for p in model_dir.glob("model.onnx*")),
+            "compile_s": None, "eval_s": round(time.perf_counter() - start, 1)}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| configuration | activations | bits/weight | perplexity | vs fp32 | mean KL | top-1 | model MB |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -119,15 +181,21 @@ def main() -> None:
                         help="score with int8 matmul activations (default: float activations, the runtime's default "
                              "and the exact weights-only math)")
     parser.add_argument("--table", action="store_true", help="only print the table of recorded results")
+    parser.add_argument("--ortgenai", choices=["int4", "fp32"], action="append", default=[],
+                        help="also score onnxruntime-genai's build of this variant (repeatable; without --only, "
+                             "nothing else)")
     args = parser.parse_args()
     ROOT.mkdir(parents=True, exist_ok=True)
     if not args.table:
-        names = args.only.split(",") if args.only else [n for n in CONFIGS if n != REFERENCE]
+        everything = [] if args.ortgenai else [n for n in CONFIGS if n != REFERENCE]
+        names = args.only.split(",") if args.only else everything
         unknown = [n for n in names if n not in CONFIGS]
         if unknown:
             sys.exit(f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
-        for name in names:
-            row = measure(name, args.recompile, not args.int8_activations)
+        jobs = [(measure_ortgenai, variant) for variant in args.ortgenai]
+        jobs += [(lambda n: measure(n, args.recompile, not args.int8_activations), name) for name in names]
+        for measure_row, name in jobs:
+            row = measure_row(name)
             with RESULTS.open("a") as out:
                 out.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)

@@ -111,16 +111,18 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-def evaluate(model: str, text_path: str | os.PathLike, ctx: int = 512, max_tokens: int | None = None,
-             reference: str | None = None, int8_activations: bool | None = None) -> EvalReport:
-    """Perplexity of `model` on a UTF-8 text file (or a named public-domain text: 'britannica'). ctx: an int >= 2
+def evaluate(model: str | os.PathLike | Scorer, text_path: str | os.PathLike, ctx: int = 512,
+             max_tokens: int | None = None, reference: str | None = None,
+             int8_activations: bool | None = None) -> EvalReport:
+    """Perplexity of `model` (a path or name, or a ready Scorer, whose subclasses may score another runtime's
+    model) on a UTF-8 text file (or a named public-domain text: 'britannica'). ctx: an int >= 2
     (and at most the model's context); max_tokens: None (the whole text) or an int >= 2. The arguments and the text
     are checked before any model is loaded: EvaluationError."""
     ctx = _checked("--ctx", "ctx", ctx)
     if max_tokens is not None:
         max_tokens = _checked("--max-tokens", "max_tokens", max_tokens)
     text = read_text(text_path)
-    scorer = Scorer(model, int8_activations)
+    scorer = model if isinstance(model, Scorer) else Scorer(model, int8_activations)
     if ctx > scorer.max_context:
         raise EvaluationError(f"--ctx {ctx} exceeds the model's context of {scorer.max_context} tokens")
     ids = scorer.tokenizer.encode(text)
@@ -145,7 +147,7 @@ def evaluate(model: str, text_path: str | os.PathLike, ctx: int = 512, max_token
             ref_nll -= ref_logp[np.arange(len(targets)), targets].sum()
             kl += (np.exp(ref_logp) * (ref_logp - logp)).sum()
             agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
-    report = EvalReport(str(model), predicted, len(windows), ctx, math.exp(nll / predicted))
+    report = EvalReport(scorer.name, predicted, len(windows), ctx, math.exp(nll / predicted))
     if ref is not None:
         report.reference = str(reference)
         report.reference_perplexity = math.exp(ref_nll / predicted)

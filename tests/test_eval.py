@@ -9,7 +9,7 @@ import pydoc_data.topics
 import pytest
 
 from fxllm.errors import FxllmError
-from fxllm.evaluation import evaluate
+from fxllm.evaluation import Scorer, evaluate
 
 # An offline English text that ships with Python itself.
 TEXT = Path(pydoc_data.topics.__file__)
@@ -22,6 +22,21 @@ def test_artifact_matches_source_model(make_tiny_model, make_tiny_artifact):
     assert math.isclose(report.perplexity, report.reference_perplexity, rel_tol=1e-5)
     assert report.mean_kl < 1e-8 and report.top1_agreement == 1.0
     assert "perplexity" in report.text()
+
+
+def test_a_ready_scorer_is_evaluated_with_the_windows_of_a_path(make_tiny_artifact):
+    """evaluate() takes a Scorer (benchmarks/quant_quality.py scores onnxruntime-genai's model through a subclass)."""
+    artifact = str(make_tiny_artifact("llama"))
+
+    class Sharpened(Scorer):  # another model's logits: here the artifact's, doubled
+        def logits(self, token_ids):
+            return 2 * super().logits(token_ids)
+
+    by_path = evaluate(artifact, TEXT, ctx=128, max_tokens=512)
+    scored = evaluate(Sharpened(artifact), TEXT, ctx=128, max_tokens=512, reference=artifact)
+    assert scored.model == artifact and (scored.tokens, scored.windows) == (by_path.tokens, by_path.windows)
+    assert math.isclose(scored.reference_perplexity, by_path.perplexity, rel_tol=1e-9)
+    assert not math.isclose(scored.perplexity, by_path.perplexity, rel_tol=1e-3) and scored.mean_kl > 1e-4
 
 
 def test_bad_eval_arguments(make_tiny_artifact, tmp_path):
