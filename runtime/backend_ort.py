@@ -55,9 +55,15 @@ class OrtBackend:
         self._binding = self.session.io_binding() if self.aliases else None
         self._bound: dict[str, np.ndarray] = {}  # input name → the array it is bound to (kept alive: ids stay valid)
         self._binding_order: list[str] = []  # outputs in the order IOBinding returns them (first bound first)
-        self._input_dims = {i.name: [(axis, d) for axis, d in enumerate(i.shape) if isinstance(d, str)]
-                            for i in self.session.get_inputs()}
         self._output_dims = {o.name: list(o.shape) for o in self.session.get_outputs()}
+        # the named dims that non-aliased outputs' shapes use, each with the first (input, axis) that fixes it: the
+        # KV inputs' dims need no reading on each step
+        needed = {d for name, dims in self._output_dims.items() if name not in self.aliases for d in dims}
+        self._dim_sources: dict[str, tuple[str, int]] = {}
+        for i in self.session.get_inputs():
+            for axis, d in enumerate(i.shape):
+                if isinstance(d, str) and d in needed:
+                    self._dim_sources.setdefault(d, (i.name, axis))
         self._output_dtypes = {o.name: _NUMPY_DTYPES.get(_dtype(o.type)) for o in self.session.get_outputs()}
 
     @property
@@ -86,7 +92,7 @@ class OrtBackend:
         Outputs whose shape the inputs determine (logits: [batch, selected, vocab]) are written into arrays
         allocated here, so no output needs fetching from ONNX Runtime after the call."""
         binding = self._binding
-        arrays, dims = {}, {}
+        arrays = {}
         for name, array in feeds.items():
             if self._bound.get(name) is not array:
                 array = np.ascontiguousarray(array)
@@ -95,8 +101,7 @@ class OrtBackend:
                 if name in self._aliased_inputs:
                     self._bind_output(self._aliased_inputs[name], array)
             arrays[name] = array
-            for axis, dim in self._input_dims.get(name, ()):
-                dims[dim] = array.shape[axis]
+        dims = {dim: arrays[name].shape[axis] for dim, (name, axis) in self._dim_sources.items() if name in arrays}
         fetched = []  # outputs left to ONNX Runtime's allocation
         allocated = {}
         for name in self.output_names:
