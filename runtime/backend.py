@@ -9,6 +9,7 @@ engine's. Implementations: OrtBackend (runtime/backend_ort.py), TrtBackend (runt
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -20,6 +21,27 @@ from fxllm.runtime.manifest import Manifest
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
 
+class StepFeeds(Mapping[str, np.ndarray]):
+    """One call's feeds in two parts: `step`, the inputs made for this call, and `state`, the KV buffers, a dict its
+    owner replaces (never mutates) when a buffer moves. A backend that keeps its bindings between calls may skip
+    `state` when it is the very dict of its previous call; any other backend reads it as one mapping."""
+
+    __slots__ = ("step", "state")
+
+    def __init__(self, step: dict[str, np.ndarray], state: dict[str, np.ndarray]):
+        self.step, self.state = step, state
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.step[name] if name in self.step else self.state[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.step
+        yield from self.state
+
+    def __len__(self) -> int:
+        return len(self.step) + len(self.state)
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str  # "onnxruntime", "tensorrt", ...
@@ -28,8 +50,8 @@ class Backend(Protocol):
     def providers(self) -> list[str]:
         """The execution providers / devices in use, most preferred first."""
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One forward call: every graph input by name → every graph output by name."""
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One forward call: every graph input by name (a dict, or StepFeeds) → every graph output by name."""
 
     def input_signature(self) -> dict[str, tuple[str, int]]:
         """{name: (dtype, rank)} of the graph's inputs, dtypes spelled as in the manifest (int64, float32...)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -63,6 +63,7 @@ class SharedKVCache:
     values: list[np.ndarray]
     length: int = 0
     pending: int = 0  # the total the step being run will leave
+    _feeds: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
     MIN_CAPACITY = 256  # rows allocated at first; doubled whenever a step needs more (amortized copies)
 
     @classmethod
@@ -79,9 +80,12 @@ class SharedKVCache:
         """Make room for `total` rows (the step's past + new tokens), keeping the valid ones."""
         if total > self.capacity:
             capacity = max(total, 2 * self.capacity)
-            self.keys = [self._moved(k, 0, capacity) for k in self.keys]
-            self.values = [self._moved(v, 0, capacity) for v in self.values]
+            self._replace([self._moved(k, 0, capacity) for k in self.keys],
+                          [self._moved(v, 0, capacity) for v in self.values])
         self.pending = total
+
+    def _replace(self, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
+        self.keys, self.values, self._feeds = keys, values, None
 
     def _moved(self, array: np.ndarray, start: int, capacity: int, rows: list[int] | None = None) -> np.ndarray:
         """A new buffer of `capacity` rows holding rows [start, length) of `array` (batch rows `rows` only)."""
@@ -91,21 +95,24 @@ class SharedKVCache:
         return moved
 
     def feeds(self) -> dict[str, np.ndarray]:
-        feeds = {cache_input(CONTIGUOUS, "key", i): k for i, k in enumerate(self.keys)}
-        feeds.update({cache_input(CONTIGUOUS, "value", i): v for i, v in enumerate(self.values)})
-        return feeds
+        """The buffers by input name: one dict until a buffer moves, then a new one (StepFeeds' `state`); do not
+        modify it."""
+        if self._feeds is None:
+            self._feeds = {cache_input(CONTIGUOUS, "key", i): k for i, k in enumerate(self.keys)}
+            self._feeds.update({cache_input(CONTIGUOUS, "value", i): v for i, v in enumerate(self.values)})
+        return self._feeds
 
     def update(self, outputs: dict[str, np.ndarray]) -> None:
         """The step wrote its rows into the buffers themselves; only the valid length moves."""
         self.length = self.pending
 
     def select_rows(self, rows: list[int]) -> None:
-        self.keys = [self._moved(k, 0, self.capacity, rows) for k in self.keys]
-        self.values = [self._moved(v, 0, self.capacity, rows) for v in self.values]
+        self._replace([self._moved(k, 0, self.capacity, rows) for k in self.keys],
+                      [self._moved(v, 0, self.capacity, rows) for v in self.values])
 
     def drop_leading(self, count: int) -> None:
-        self.keys = [self._moved(k, count, self.capacity) for k in self.keys]
-        self.values = [self._moved(v, count, self.capacity) for v in self.values]
+        self._replace([self._moved(k, count, self.capacity) for k in self.keys],
+                      [self._moved(v, count, self.capacity) for v in self.values])
         self.length -= count
 
     def nbytes(self) -> int:

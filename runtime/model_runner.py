@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxllm.runtime.backend import Backend
+from fxllm.runtime.backend import Backend, StepFeeds
 from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, LOGITS, LOGITS_INDEX,
                                     POSITION_IDS, ModelIO, ModelSpec)
 from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache, new_contiguous_cache
@@ -123,8 +123,8 @@ class ModelRunner:
         """One call; the cache takes the new K/V. Logits [B, T or 1, V]."""
         if isinstance(cache, SharedKVCache):
             cache.reserve(attention_mask.shape[1])
-        feeds = {INPUT_IDS: input_ids, POSITION_IDS: position_ids, ATTENTION_MASK: attention_mask,
-                 **self._logits_index(input_ids.shape[1], all_logits), **cache.feeds()}
+        feeds = StepFeeds({INPUT_IDS: input_ids, POSITION_IDS: position_ids, ATTENTION_MASK: attention_mask,
+                           **self._logits_index(input_ids.shape[1], all_logits)}, cache.feeds())
         outputs = self.backend.run(feeds)
         cache.update(outputs)
         return outputs[LOGITS]

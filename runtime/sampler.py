@@ -9,8 +9,8 @@ import numpy as np
 from fxllm.errors import GenerationError
 from fxllm.runtime.request import MIN_TEMPERATURE, SamplingParams
 
-__all__ = ["MIN_TEMPERATURE", "SampledTokens", "Sampler", "SamplingParams", "checked_logits", "probabilities",
-           "sample_rows"]
+__all__ = ["MIN_TEMPERATURE", "SampledTokens", "Sampler", "SamplingParams", "checked_logits", "greedy_tokens",
+           "probabilities", "sample_rows"]
 
 
 @dataclass
@@ -23,6 +23,16 @@ class SampledTokens:
     logits: np.ndarray | None = None
     prompt_logits: np.ndarray | None = None
     cached: int | None = None
+
+
+def greedy_tokens(logits: np.ndarray) -> np.ndarray:
+    """argmax of each row of logits [B,V], refused as checked_logits refuses, in one pass: argmax stops at a row's
+    first NaN and takes its first +inf, so a row has a NaN, a +inf or no finite value exactly when its peak is not
+    finite."""
+    tokens = logits.argmax(-1)
+    if not np.isfinite(logits[np.arange(logits.shape[0]), tokens]).all():
+        checked_logits(logits)  # raises with its message
+    return tokens
 
 
 def checked_logits(logits: np.ndarray) -> np.ndarray:
@@ -74,7 +84,7 @@ class Sampler:
     def __call__(self, logits: np.ndarray, sequence_of_row: list[int] | None = None) -> np.ndarray:
         """logits [B,V] → token ids [B]; row i belongs to sequence sequence_of_row[i] (default: row i)."""
         if self.params.greedy:
-            return checked_logits(logits).argmax(-1)
+            return greedy_tokens(logits)
         rows = sequence_of_row if sequence_of_row is not None else list(range(logits.shape[0]))
         probs = probabilities(logits, self.params)
         cumulative = np.cumsum(probs, -1)
