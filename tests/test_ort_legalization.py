@@ -22,7 +22,7 @@ from fxllm.compiler.targets.ort import STEP_NAMES
 from fxllm.compiler.targets.tensorrt_audit import audit_file
 from fxllm.errors import PipelineError
 from fxllm.runtime.backend_ort import OrtBackend
-from fxllm.runtime.contract import KV_CAPACITY, ModelIO
+from fxllm.runtime.contract import ATTENTION_MASK, INPUT_IDS, KV_CAPACITY, LOGITS_INDEX, POSITION_IDS, ModelIO
 from fxllm.runtime.kv_cache import SharedKVCache
 from fxllm.runtime.model_runner import ModelRunner
 from tests.conftest import PROMPTS
@@ -157,6 +157,38 @@ def test_bound_steps_write_fresh_logits_without_fetching_outputs(float_lowerings
     assert not np.shares_memory(first, second)
     np.testing.assert_array_equal(first, kept)
     np.testing.assert_allclose(second[-1], want_logits[1][-1], atol=1e-4)
+
+
+def test_unchanged_kv_buffers_are_not_rebound_and_two_caches_can_take_turns(float_lowerings, float_program,
+                                                                             tokenizer, monkeypatch):
+    """A step whose KV buffers (StepFeeds.state) are its previous call's binds only its own inputs; two caches
+    stepped in turns on one backend (a scoring call beside the running batch) each keep their own tokens."""
+    path, lowered = float_lowerings["legalized"]
+    io = ModelIO.from_signature(lowered.inputs, lowered.outputs)
+    backend = OrtBackend(path, threads=1, aliases=io.aliases)
+    runner = ModelRunner(backend, io, float_program.spec)
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS[:2]]
+    want = [greedy(path, lowered, float_program, ids, steps=6)[0] for ids in prompts]
+    bound = []
+    bind_input = backend._binding.bind_input
+    monkeypatch.setattr(backend._binding, "bind_input", lambda name, *rest: (bound.append(name),
+                                                                           bind_input(name, *rest)))
+
+    def step(cache, ids, tokens):
+        bound.clear()
+        logits = runner.step_one(cache, tokens[-1:], len(ids) + len(tokens) - 1, all_logits=False)
+        tokens.append(int(logits[-1].argmax()))
+
+    caches = [runner.new_cache(), runner.new_cache()]
+    got = [[int(runner.step_one(cache, ids, 0, all_logits=False)[-1].argmax())] for cache, ids in zip(caches, prompts)]
+    for _ in range(5):
+        for cache, ids, tokens in zip(caches, prompts, got):
+            step(cache, ids, tokens)
+            assert len(bound) > 2 * io.num_layers  # the other cache's call came between: its buffers are rebound
+    step(caches[1], prompts[1], got[1])
+    assert set(bound) <= {INPUT_IDS, POSITION_IDS, ATTENTION_MASK, LOGITS_INDEX}
+    step(caches[0], prompts[0], got[0])
+    assert got == want
 
 
 def test_engine_batches_left_padded_rows_on_the_shared_buffer(make_tiny_model, tmp_path):
