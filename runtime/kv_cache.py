@@ -68,9 +68,8 @@ class SharedKVCache:
 
     @classmethod
     def empty(cls, layers: int, batch: int, kv_heads: int, head_dim: int) -> SharedKVCache:
-        shape = (batch, kv_heads, cls.MIN_CAPACITY, head_dim)
-        return cls([np.zeros(shape, np.float32) for _ in range(layers)],
-                   [np.zeros(shape, np.float32) for _ in range(layers)])
+        buffers = _one_block(2 * layers, (batch, kv_heads, cls.MIN_CAPACITY, head_dim))
+        return cls(buffers[:layers], buffers[layers:])
 
     @property
     def capacity(self) -> int:
@@ -79,20 +78,25 @@ class SharedKVCache:
     def reserve(self, total: int) -> None:
         """Make room for `total` rows (the step's past + new tokens), keeping the valid ones."""
         if total > self.capacity:
-            capacity = max(total, 2 * self.capacity)
-            self._replace([self._moved(k, 0, capacity) for k in self.keys],
-                          [self._moved(v, 0, capacity) for v in self.values])
+            self.grow_to(max(total, 2 * self.capacity))
         self.pending = total
 
-    def _replace(self, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
-        self.keys, self.values, self._feeds = keys, values, None
+    def grow_to(self, capacity: int) -> None:
+        """At least `capacity` rows, the valid ones kept: a prefill sizes the buffers for its whole generation, so
+        no decode step stops to move them (at 1,035 tokens of SmolLM2 a move is 47 MB copied into 95 MB of fresh
+        pages)."""
+        if capacity > self.capacity:
+            self._move(0, capacity)
 
-    def _moved(self, array: np.ndarray, start: int, capacity: int, rows: list[int] | None = None) -> np.ndarray:
-        """A new buffer of `capacity` rows holding rows [start, length) of `array` (batch rows `rows` only)."""
-        source = array if rows is None else array[rows]
-        moved = np.zeros((source.shape[0], source.shape[1], capacity, source.shape[3]), np.float32)
-        moved[:, :, : self.length - start] = source[:, :, start: self.length]
-        return moved
+    def _move(self, start: int, capacity: int, rows: list[int] | None = None) -> None:
+        """New buffers of `capacity` rows holding rows [start, length) of the old ones (batch rows `rows` only)."""
+        old = self.keys + self.values
+        batch = old[0].shape[0] if rows is None else len(rows)
+        new = _one_block(len(old), (batch, old[0].shape[1], capacity, old[0].shape[3]))
+        for source, target in zip(old, new):
+            source = source if rows is None else source[rows]
+            target[:, :, : self.length - start] = source[:, :, start: self.length]
+        self.keys, self.values, self._feeds = new[: len(self.keys)], new[len(self.keys):], None
 
     def feeds(self) -> dict[str, np.ndarray]:
         """The buffers by input name: one dict until a buffer moves, then a new one (StepFeeds' `state`); do not
@@ -107,12 +111,10 @@ class SharedKVCache:
         self.length = self.pending
 
     def select_rows(self, rows: list[int]) -> None:
-        self._replace([self._moved(k, 0, self.capacity, rows) for k in self.keys],
-                      [self._moved(v, 0, self.capacity, rows) for v in self.values])
+        self._move(0, self.capacity, rows)
 
     def drop_leading(self, count: int) -> None:
-        self._replace([self._moved(k, count, self.capacity) for k in self.keys],
-                      [self._moved(v, count, self.capacity) for v in self.values])
+        self._move(count, self.capacity)
         self.length -= count
 
     def nbytes(self) -> int:
@@ -121,6 +123,13 @@ class SharedKVCache:
     def truncate(self, length: int) -> None:
         """Forget positions from `length` on (they are overwritten by later steps)."""
         self.length = min(self.length, length)
+
+
+def _one_block(count: int, shape: tuple[int, ...]) -> list[np.ndarray]:
+    """`count` zeroed float32 buffers of `shape`, views of one allocation: one large mapping the kernel backs with
+    huge pages (transparent huge pages), where 60 arrays of 1-2 MB each get 4 KB pages; a decode step at 1,035
+    tokens of SmolLM2 context reads 47 MB of them (measured: decode 0.95x, faster in 7 of 8 rounds)."""
+    return list(np.zeros((count, *shape), np.float32))
 
 
 def new_contiguous_cache(io: ModelIO, spec: ModelSpec, backend: object, batch: int = 1) -> ContiguousKVCache:

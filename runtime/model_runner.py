@@ -91,6 +91,11 @@ class ModelRunner:
             mask[row, width - len(ids):] = 1
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
         cache = self.new_cache(len(rows))
+        if isinstance(cache, SharedKVCache):
+            # room for the generation too (no buffer move mid-way), up to the room doubling would give: memory
+            # stays within 2x the prompt (or its minimum capacity) whatever max_tokens says
+            extra = min(max(r.params.max_tokens for r in batch.requests), max(width, SharedKVCache.MIN_CAPACITY))
+            cache.grow_to(min(width + extra, self.spec.max_positions))
         logits = self._run_contiguous(input_ids, positions, mask, cache, batch.prompt_logits)
         self._rows, self._cache, self._mask = list(batch.requests), cache, mask
         all_logits = [logits[row, width - len(ids):] for row, ids in enumerate(rows)] if batch.prompt_logits \

@@ -203,6 +203,24 @@ def test_engine_batches_left_padded_rows_on_the_shared_buffer(make_tiny_model, t
     assert outputs["legalized"] == outputs["standard"]
 
 
+def test_a_prefill_sizes_the_shared_buffer_for_its_generation(make_tiny_artifact, monkeypatch):
+    """The prefill makes room for max_tokens more rows (up to doubling the prompt), so decode steps never move the
+    buffers; a longer generation still grows them and generates the same tokens."""
+    engine = fxllm.load(make_tiny_artifact("llama"))
+    engine.eos_token_ids = set()
+    prompt = engine.encode(PROMPTS[1])
+    want = engine.generate_ids([prompt], max_new_tokens=2 * len(prompt))[0].token_ids
+    monkeypatch.setattr(SharedKVCache, "MIN_CAPACITY", 4)
+    moves = []
+    move = SharedKVCache._move
+    monkeypatch.setattr(SharedKVCache, "_move", lambda cache, *args: (moves.append(cache.length), move(cache, *args)))
+    short = engine.generate_ids([prompt], max_new_tokens=len(prompt))[0].token_ids
+    assert moves == [0] and short == want[: len(prompt)]  # sized once, before the prompt's rows were written
+    moves.clear()
+    assert engine.generate_ids([prompt], max_new_tokens=2 * len(prompt))[0].token_ids == want
+    assert moves[0] == 0 and len(moves) == 2  # room for one prompt's length of tokens, then one doubling
+
+
 def test_shared_cache_row_and_column_edits_match_the_growing_cache():
     """select_rows / drop_leading / truncate on the shared buffer keep exactly what the growing cache keeps."""
     from fxllm.runtime.kv_cache import ContiguousKVCache
