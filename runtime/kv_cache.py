@@ -126,9 +126,9 @@ class SharedKVCache:
 
 
 def _one_block(count: int, shape: tuple[int, ...]) -> list[np.ndarray]:
-    """`count` zeroed float32 buffers of `shape`, views of one allocation: one large mapping the kernel backs with
-    huge pages (transparent huge pages), where 60 arrays of 1-2 MB each get 4 KB pages; a decode step at 1,035
-    tokens of SmolLM2 context reads 47 MB of them (measured: decode 0.95x, faster in 7 of 8 rounds)."""
+    """`count` zeroed float32 buffers of `shape`, views of one allocation (one mapping per move instead of one per
+    buffer: the kernel may back it with transparent huge pages, which 1-2 MB arrays never get; on the 2-core
+    development VM it mostly did not, even when madvised, and no speed change was measurable beyond noise)."""
     return list(np.zeros((count, *shape), np.float32))
 
 
