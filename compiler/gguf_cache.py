@@ -28,6 +28,9 @@ def shared_gguf_readers() -> Iterator[None]:
     except ImportError:  # no GGUF support installed: nothing to share
         yield
         return
+    if not hasattr(gguf, "GGUFReader"):  # a namespace package of that name, not the gguf library (seen on the GPU
+        yield                            # machine): nothing to share either
+        return
     original = gguf.GGUFReader
     original_name_map = gguf.get_tensor_name_map
     readers: dict[tuple[str, int, int], object] = {}
