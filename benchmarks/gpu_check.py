@@ -289,8 +289,12 @@ def parity(report: Report, builder: ModelBuilder, sizes: Sizes, device: str, bud
         if budget.spent():
             report.add("parity", row, budget.SKIPPED)
             continue
-        engine = fxllm.load(builder.artifact(name, "float32", paged), backend="torch", device=device)
-        got = [r.token_ids for r in engine.generate_ids(batch, max_new_tokens=sizes.parity_tokens)]
+        try:  # a failing compile or load is this row's result, as in the decode rows; the next rows still run
+            engine = fxllm.load(builder.artifact(name, "float32", paged), backend="torch", device=device)
+            got = [r.token_ids for r in engine.generate_ids(batch, max_new_tokens=sizes.parity_tokens)]
+        except Exception as exc:
+            report.add("parity", row, _failure(exc))
+            continue
         # the engine also stops at the tokenizer's EOS, which transformers' generation config may not name
         same = sum(g == e or g == e[:len(g)] and g[-1:] == [engine.tokenizer.eos_token_id]
                    for g, e in zip(got, expected))
