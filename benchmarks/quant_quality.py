@@ -107,11 +107,11 @@ def measure(name: str, recompile: bool, float_activations: bool) -> dict[str, An
             "eval_s": round(time.perf_counter() - start, 1)}
 
 
-def ortgenai_scorer(variant: str, threads: int = 2):
+def ortgenai_scorer(variant: str, reference: Path, threads: int = 2):
     """A Scorer over onnxruntime-genai's build of SmolLM2 (built on demand), run by plain ONNX Runtime: its contrib
     ops (GroupQueryAttention, MatMulNBits at the accuracy level the builder wrote) need no onnxruntime-genai. One call
-    per window with an empty cache; the fp32 reference artifact's tokenizer (the same SmolLM2 tokenizer), so both
-    score identical token ids."""
+    per window with an empty cache; the tokenizer of the fp32 `reference` artifact (the same SmolLM2 tokenizer), so
+    both score identical token ids."""
     import numpy as np
     import onnxruntime as ort
     from fxllm.evaluation import Scorer
@@ -120,7 +120,6 @@ def ortgenai_scorer(variant: str, threads: int = 2):
     import ortgenai_baseline
 
     model_dir = ortgenai_baseline.ensure_model(variant, threads=threads)
-    reference, _ = compile_config(REFERENCE, False)
 
     class OrtGenaiScorer(Scorer):
         def __init__(self) -> None:
@@ -148,8 +147,8 @@ def ortgenai_scorer(variant: str, threads: int = 2):
 def measure_ortgenai(variant: str) -> dict[str, Any]:
     from fxllm.evaluation import evaluate
 
-    scorer, model_dir = ortgenai_scorer(variant)
     reference, _ = compile_config(REFERENCE, False)
+    scorer, model_dir = ortgenai_scorer(variant, reference)
     start = time.perf_counter()
     report = evaluate(scorer, "britannica", ctx=512, max_tokens=8192, reference=str(reference))
     build = json.loads((model_dir / "fxllm-build.json").read_text())

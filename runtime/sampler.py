@@ -48,11 +48,11 @@ def checked_logits(logits: np.ndarray) -> np.ndarray:
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution sampling draws from, rows of [B,V]: temperature, then top-k, then top-p, renormalized
     (float64). Greedy params give the one-hot argmax. Never returns non-finite probabilities: it raises instead."""
-    logits = checked_logits(logits)
     if params.greedy:
         probs = np.zeros(logits.shape, dtype=np.float64)
-        probs[np.arange(logits.shape[0]), logits.argmax(-1)] = 1.0
+        probs[np.arange(logits.shape[0]), greedy_tokens(logits)] = 1.0
         return probs
+    logits = checked_logits(logits)
     scaled = logits.astype(np.float64) / params.temperature
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -params.top_k, axis=-1)[:, -params.top_k][:, None]
