@@ -24,12 +24,17 @@ BACKENDS = ("onnxruntime", "tensorrt", "torch")
 class StepFeeds(Mapping[str, np.ndarray]):
     """One call's feeds in two parts: `step`, the inputs made for this call, and `state`, the KV buffers, a dict its
     owner replaces (never mutates) when a buffer moves. A backend that keeps its bindings between calls may skip
-    `state` when it is the very dict of its previous call; any other backend reads it as one mapping."""
+    `state` when it is the very dict of its previous call; any other backend reads it as one mapping.
+    `outputs` (optional): host arrays of the right shape that a backend may write those outputs into instead of
+    allocating them (the returned dict then holds these arrays), for outputs the caller consumes before its next
+    call, such as a paged step's new K/V; the same dict again means the same destinations. A backend may ignore
+    it: callers read outputs from the returned dict only."""
 
-    __slots__ = ("step", "state")
+    __slots__ = ("step", "state", "outputs")
 
-    def __init__(self, step: dict[str, np.ndarray], state: dict[str, np.ndarray]):
-        self.step, self.state = step, state
+    def __init__(self, step: dict[str, np.ndarray], state: dict[str, np.ndarray],
+                 outputs: dict[str, np.ndarray] | None = None):
+        self.step, self.state, self.outputs = step, state, outputs
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.step[name] if name in self.step else self.state[name]

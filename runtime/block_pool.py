@@ -2,15 +2,17 @@
 
 A block is free (reference count 0) or held by one or more sequences. A full block of committed tokens may be
 registered in the prefix cache under the chained hash of its content; when its last holder lets go it stays
-cached but evictable, and allocation takes never-cached free blocks first, then evicts the least recently
-released cached one. What a block means to a sequence (its logical position, the tokens in it) is the block
+cached but evictable, and allocation takes never-cached free blocks first, lowest index first (so a sequence's
+blocks lie together and the slice of the pool a step reads stays small: runtime/model_runner.py), then evicts the
+least recently released cached one. What a block means to a sequence (its logical position, the tokens in it) is the block
 manager's business (runtime/block_manager.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from fxllm.errors import GenerationError
@@ -45,7 +47,7 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.refs = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))  # ref 0, no cached content
+        self._free: list[int] = list(range(num_blocks))  # ref 0, no cached content; a heap, lowest index first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with cached content, least recent first
         self._hash_to_block: dict[bytes, int] = {}
         self._block_to_hash: dict[int, bytes] = {}
@@ -86,10 +88,10 @@ class BlockPool:
         return self._block_to_hash.get(block)
 
     def take(self) -> int:
-        """A free block, now referenced once: never-cached ones first, else the least recently released cached one
+        """A free block, now referenced once: never-cached ones first (the lowest), else the least recently released cached one
         (evicted from the prefix cache)."""
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free)
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._hash_to_block[self._block_to_hash.pop(block)]
@@ -109,7 +111,7 @@ class BlockPool:
             if block in self._block_to_hash:
                 self._evictable[block] = None
             else:
-                self._free.append(block)
+                heapq.heappush(self._free, block)
 
     def register(self, block: int, digest: bytes) -> None:
         """Cache a full block under its content hash; another block that already holds the same content (two

@@ -80,10 +80,15 @@ class TorchPagedPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def feeds(self) -> dict[str, Any]:
-        feeds = {cache_input(PAGED, "key", i): k for i, k in enumerate(self.keys)}
-        feeds.update({cache_input(PAGED, "value", i): v for i, v in enumerate(self.values)})
+    def feeds(self, first: int = 0, end: int | None = None) -> dict[str, Any]:
+        """Every layer's pool, or the slice of blocks [first, end) of it (views); see PagedKVPool.feeds."""
+        feeds = {cache_input(PAGED, "key", i): k[first:end] for i, k in enumerate(self.keys)}
+        feeds.update({cache_input(PAGED, "value", i): v[first:end] for i, v in enumerate(self.values)})
         return feeds
+
+    def new_kv_buffers(self, batch: int, tokens: int) -> None:
+        """No host destinations: the new K/V stay on the device (see PagedKVPool.new_kv_buffers)."""
+        return None
 
     def write(self, outputs: dict[str, Any], slots: np.ndarray) -> None:
         """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset); a slot of -1

@@ -138,22 +138,28 @@ class ModelRunner:
 
     def _execute_paged(self, batch: ScheduledBatch) -> RunnerOutput:
         """Rows at their own positions, padded at the end to the longest; the pool takes their new K/V at
-        batch.slots."""
+        batch.slots. The model sees the slice of the pool that the batch's blocks span, and block tables counted
+        from its first block (padded with that block, never visible): a pool-reading attention (ort
+        paged-attention) then reads no block outside it."""
         self.pool.copy_blocks(batch.copies)
         lengths = [len(ids) for ids in batch.token_ids]
         width, rows = max(lengths), len(lengths)
-        table = np.zeros((rows, max(len(t) for t in batch.block_tables)), dtype=np.int64)
+        first = min(min(blocks) for blocks in batch.block_tables)
+        end = max(max(blocks) for blocks in batch.block_tables) + 1
+        table = np.full((rows, max(len(t) for t in batch.block_tables)), first, dtype=np.int64)
         input_ids = np.full((rows, width), self.pad_token_id, dtype=np.int64)
         slots = np.full((rows, width), -1, dtype=np.int64)  # -1: padding, written nowhere
         for row, (blocks, ids, row_slots) in enumerate(zip(batch.block_tables, batch.token_ids, batch.slots)):
             table[row, :len(blocks)] = blocks
             input_ids[row, :len(ids)] = ids
             slots[row, :len(ids)] = row_slots
+        table -= first
         positions = np.asarray(batch.positions, dtype=np.int64)
         offsets = np.minimum(np.arange(width, dtype=np.int64), np.asarray(lengths, dtype=np.int64)[:, None] - 1)
         all_positions = batch.prompt_logits or batch.drafts is not None or min(lengths) != width
-        feeds = {INPUT_IDS: input_ids, POSITION_IDS: positions[:, None] + offsets, BLOCK_TABLES: table,
-                 CONTEXT_LENS: positions, **self._logits_index(width, all_positions), **self.pool.feeds()}
+        feeds = StepFeeds({INPUT_IDS: input_ids, POSITION_IDS: positions[:, None] + offsets, BLOCK_TABLES: table,
+                           CONTEXT_LENS: positions, **self._logits_index(width, all_positions)},
+                          self.pool.feeds(first, end), self.pool.new_kv_buffers(rows, width))
         outputs = self.backend.run(feeds)
         self.pool.write(outputs, slots)
         logits = outputs[LOGITS]

@@ -30,20 +30,40 @@ def default_num_blocks(block_bytes: int, block_size: int, max_positions: int) ->
 
 
 class PagedKVPool:
+    """One allocation [2·layers, blocks, block_size, kv_heads, head_dim]: layer i's keys are row i, its values row
+    layers + i, so a step's new K/V of every layer are written with one indexed assignment."""
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int):
-        shape = (num_blocks, block_size, kv_heads, head_dim)
         self.block_size = block_size
-        self.keys = [np.zeros(shape, np.float32) for _ in range(num_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(num_layers)]
+        self._pools = np.zeros((2 * num_layers, num_blocks, block_size, kv_heads, head_dim), np.float32)
+        self.keys = list(self._pools[:num_layers])
+        self.values = list(self._pools[num_layers:])
+        self._names = [cache_input(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
+        self._outputs = [cache_output(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
+        self._feeds: tuple[tuple[int, int | None], dict[str, np.ndarray]] | None = None
+        self._staging: np.ndarray | None = None  # [2·layers, B, Hkv, T, D]: where a step's new K/V may be written
+        self._staging_feeds: dict[str, np.ndarray] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys + self.values)
+        return self._pools.nbytes
 
-    def feeds(self) -> dict[str, np.ndarray]:
-        feeds = {cache_input(PAGED, "key", i): k for i, k in enumerate(self.keys)}
-        feeds.update({cache_input(PAGED, "value", i): v for i, v in enumerate(self.values)})
-        return feeds
+    def feeds(self, first: int = 0, end: int | None = None) -> dict[str, np.ndarray]:
+        """Every layer's pool, or the slice of blocks [first, end) of it (views: nothing is copied); block tables
+        fed with a slice count from `first`. The same slice again gives the same dict (StepFeeds.state: a backend
+        keeps its bindings)."""
+        if self._feeds is None or self._feeds[0] != (first, end):
+            self._feeds = (first, end), dict(zip(self._names, self._pools[:, first:end]))
+        return self._feeds[1]
+
+    def new_kv_buffers(self, batch: int, tokens: int) -> dict[str, np.ndarray]:
+        """Destinations for a step's new_key_i / new_value_i outputs [batch, Hkv, tokens, D] (StepFeeds.outputs):
+        views of one array, the same dict while the shape holds, consumed by `write` before the next step."""
+        shape = (len(self._outputs), batch, *self._pools.shape[3:4], tokens, self._pools.shape[4])
+        if self._staging is None or self._staging.shape != shape:
+            self._staging = np.empty(shape, np.float32)
+            self._staging_feeds = dict(zip(self._outputs, self._staging))
+        return self._staging_feeds
 
     def write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
         """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset); a slot of -1
@@ -51,14 +71,12 @@ class PagedKVPool:
         valid = slots >= 0
         every = bool(valid.all())
         blocks, offsets = np.divmod(slots if every else slots[valid], self.block_size)
-        for i, (keys, values) in enumerate(zip(self.keys, self.values)):
-            new_keys = outputs[cache_output(PAGED, "key", i)].transpose(0, 2, 1, 3)
-            new_values = outputs[cache_output(PAGED, "value", i)].transpose(0, 2, 1, 3)
-            keys[blocks, offsets] = new_keys if every else new_keys[valid]
-            values[blocks, offsets] = new_values if every else new_values[valid]
+        staged = all(outputs[name] is array for name, array in self._staging_feeds.items()) and self._staging_feeds
+        new = self._staging if staged else np.stack([outputs[name] for name in self._outputs])
+        new = new.transpose(0, 1, 3, 2, 4)  # [2L, B, T, Hkv, D]
+        self._pools[:, blocks, offsets] = new if every else new[:, valid]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate source blocks into their new private blocks."""
         for source, target in pairs:
-            for array in self.keys + self.values:
-                array[target] = array[source]
+            self._pools[:, target] = self._pools[:, source]

@@ -38,7 +38,7 @@ class Finding:
 
 def _constants(graph: onnx.GraphProto) -> set[str]:
     names = {init.name for init in graph.initializer}
-    names |= {out for node in graph.node if node.op_type == "Constant" for out in node.output}
+    names |= {out for node in _nodes(graph) if node.op_type == "Constant" for out in node.output}
     return names
 
 
@@ -58,13 +58,25 @@ def audit_model(model: onnx.ModelProto, trt_version: Version = DEFAULT_TRT_VERSI
                                 "lowering"))
     constants = _constants(model.graph)
     ranks = _ranks(model)
-    for node in model.graph.node:
+    for node in _nodes(model.graph):
         origin = next((p.value for p in node.metadata_props if p.key == ORIGIN_KEY), "?")
         name = node.name or f"<{node.op_type} → {node.output[0]}>"
         for rule in _node_rules(node, constants, ranks, trt_version):
             findings.append(Finding(name, node.op_type if not node.domain else f"{node.domain}.{node.op_type}",
                                     rule, origin))
     return findings
+
+
+def _nodes(graph: onnx.GraphProto):
+    """The graph's nodes and, after each, those of its subgraphs (If branches, Loop and Scan bodies)."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for subgraph in attribute.graphs:
+                    yield from _nodes(subgraph)
 
 
 def _node_rules(node: onnx.NodeProto, constants: set[str], ranks: dict[str, int], version: Version) -> list[str]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from fxllm.compiler.targets.ort import (attention_rotary, group_query_attention, int4_zero_points, skip_rms_norm,
-                                        untie_quantized_head)
+from fxllm.compiler.targets.ort import (attention_rotary, group_query_attention, int4_zero_points, paged_attention,
+                                        skip_rms_norm, untie_quantized_head)
 from fxllm.compiler.targets.ort.graph import MS_DOMAIN, remove_unused
 from fxllm.errors import UnsupportedModelError
 from fxllm.runtime.contract import ModelSpec, TensorSig
@@ -45,6 +45,7 @@ STEPS: tuple[Step, ...] = (
     Step(untie_quantized_head.NAME, untie_quantized_head.apply),
     Step(group_query_attention.NAME, group_query_attention.apply),
     Step(attention_rotary.NAME, attention_rotary.apply),
+    Step(paged_attention.NAME, paged_attention.apply),
     Step(skip_rms_norm.NAME, skip_rms_norm.apply),
 )
 STEP_NAMES = tuple(step.name for step in STEPS)

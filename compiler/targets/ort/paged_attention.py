@@ -1,0 +1,294 @@
+"""Step `paged-attention`: a paged layer's attention reads the pool in place when the pool it is given is about
+the size of what it reads, instead of gathering the context into a contiguous copy first.
+
+before: past_k = Gather(Reshape(key_cache_i), rows); out = Attention(q, Concat(past_k, k), Concat(past_v, v), mask)
+after:  out = If(view_fits,
+                 then: pool attention — q·key_cache_iᵀ over every slot of the pool input, ‖ q·kᵀ over the step's
+                       own keys, under one additive bias, softmax, ·value_cache_i ‖ ·v (com.microsoft.FusedMatMul
+                       reads the [slots, Hkv, D] pool through strides: nothing is copied),
+                 else: the gathered form above, unchanged)
+
+The runtime passes the slice of the pool its batch's block tables span (runtime/paged_cache.py `feeds`), with the
+tables relative to that slice. For one sequence whose blocks lie together that slice is exactly its context, so
+a decode step reads each cached key and value once, as the contiguous artifact does; ONNX Runtime has no CPU
+paged-attention kernel, and its ops cannot alias a gathered view, so this is the form that copies nothing. The
+pool form scores every query against every slot of the slice (a batch of several sequences would score each
+query against all of them), so it runs only when the slice holds at most twice the slots of the block table and
+the step feeds at most 32 tokens (`view_fits`, computed once per step): larger batches keep the gather, and so
+does a prefill, whose one copy of the context serves all its tokens (and whose new-token scores would be
+quadratic here, where the Attention kernel is causal-aware).
+
+The bias [B·T, slots + B·T] is built once per step (in an If of its own, skipped when the gather form runs): slot
+s of the slice is visible to query (b, t) when block s // block_size appears in row b's table at a logical index
+l with l·block_size + s % block_size < context_lens[b] (and, under a sliding window W, within W − 1 positions of
+the query at context_lens[b] + t); a block listed twice (a released block's stand-in) is visible where any of its
+entries is (an OR, computed as a product of the table's one-hot matrix with the per-entry visibility; a block
+listed twice with both entries visible would be read once, a table the runtime never makes). The new
+keys: query (b, t) sees (b, t') for t' ≤ t (and t − t' < W). Padding entries of a table are never visible.
+All or nothing: when one attention does not match, the graph keeps the gathered form everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, producer, static_dims
+from fxllm.runtime.contract import BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, PAGED, parse_cache_name
+
+NAME = "paged-attention"
+LOWEST = float(np.finfo(np.float32).min)
+VIEW_SLACK = 2  # the pool form runs while the slice holds at most this many times the table's blocks
+VIEW_MAX_ROWS = 32  # ... and the step feeds at most this many tokens (a prefill gathers: one copy for many rows)
+
+
+@dataclass
+class Site:
+    attention: ir.Node
+    q: ir.Value  # [B, Hq, T, D]
+    new: tuple[ir.Value, ir.Value]  # the step's k and v [B, Hkv, T, D]
+    pools: tuple[ir.Value, ir.Value]  # key_cache_i, value_cache_i [blocks, block_size, Hkv, D]
+    gathered: tuple[ir.Node, ir.Node, ir.Node, ir.Node]  # the two Gathers and the two Concats
+    layer: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+
+
+def apply(model: ir.Model, context) -> int:
+    graph = model.graph
+    inputs = {value.name: value for value in graph.inputs}
+    if BLOCK_TABLES not in inputs or CONTEXT_LENS not in inputs or INPUT_IDS not in inputs:
+        return 0
+    attentions = [n for n in graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
+    sites = [_match(node, inputs) for node in attentions]
+    if not sites or any(site is None for site in sites):
+        return 0
+    pool_dims = static_dims(sites[0].pools[0])
+    block_size = pool_dims[1] if pool_dims else None
+    if not isinstance(block_size, int):
+        return 0
+    windows = list(context.spec.sliding_windows) or [0] * context.spec.num_layers
+    if any(site.layer >= len(windows) for site in sites):
+        return 0
+    build = Builder(graph, f"lowering:ort/{NAME}")
+    first = next(iter(graph))
+    shared = _Shared(build, inputs, sites[0], block_size, first)
+    biases = shared.biases(sorted({windows[site.layer] for site in sites}))
+    for site in sites:
+        _rewrite(build, site, shared, biases[windows[site.layer]])
+    return len(sites)
+
+
+def _match(attention: ir.Node, inputs: dict[str, ir.Value]) -> Site | None:
+    """Attention(q, Concat(Gather(Reshape(key_cache_i), rows), k), Concat(Gather(Reshape(value_cache_i), rows), v),
+    bool mask), 4D, no soft-capping."""
+    if len(attention.inputs) != 4 or any(v is None for v in attention.inputs):
+        return None
+    attributes = attention.attributes
+    if attributes.get_int("is_causal", 0) or attributes.get_int("qk_matmul_output_mode", 0) or \
+            attributes.get_float("softcap", 0.0) or any(value.uses() for value in attention.outputs[1:]):
+        return None
+    q, k, v, mask = attention.inputs
+    found = []
+    for value, kind in ((k, "key"), (v, "value")):
+        concat = producer(value, "Concat")
+        if concat is None or len(concat.inputs) != 2 or concat.attributes.get_int("axis", 0) not in (2, -2):
+            return None
+        gather = producer(concat.inputs[0], "Gather")
+        reshape = producer(gather.inputs[0], "Reshape") if gather is not None else None
+        if reshape is None or gather.attributes.get_int("axis", 0) != 0:
+            return None
+        pool = reshape.inputs[0]
+        role = parse_cache_name(pool.name or "")
+        if pool.name not in inputs or role is None or role.cache != PAGED or role.kind != kind or not role.is_input:
+            return None
+        found.append((gather, concat, pool, concat.inputs[1], role.layer))
+    (key_gather, key_concat, key_pool, new_k, layer), (value_gather, value_concat, value_pool, new_v, other) = found
+    if layer != other or mask.dtype != ir.DataType.BOOL or q.dtype != ir.DataType.FLOAT:
+        return None
+    q_dims, k_dims = static_dims(q), static_dims(new_k)
+    if q_dims is None or k_dims is None or len(q_dims) != 4 or len(k_dims) != 4:
+        return None
+    q_heads, head_dim, kv_heads = q_dims[1], q_dims[3], k_dims[1]
+    if not all(isinstance(d, int) for d in (q_heads, head_dim, kv_heads)) or q_heads % kv_heads:
+        return None
+    scale = attributes.get_float("scale", 1 / math.sqrt(head_dim))
+    return Site(attention, q, (new_k, new_v), (key_pool, value_pool), (key_gather, value_gather, key_concat,
+                                                                         value_concat), layer, q_heads, kv_heads,
+                head_dim, scale)
+
+
+class _Shared:
+    """Values every layer's rewrite reads, built once in front of the graph's first node: sizes, the If
+    condition, the split sizes and the reshape targets."""
+
+    def __init__(self, build: Builder, inputs: dict[str, ir.Value], site: Site, block_size: int, before: ir.Node):
+        self.build, self.before, self.block_size = build, before, block_size
+        self.tables, self.lens, self.pool = inputs[BLOCK_TABLES], inputs[CONTEXT_LENS], site.pools[0]
+        self.kv_heads, self.head_dim, self.q_heads = site.kv_heads, site.head_dim, site.q_heads
+        node = self._node
+        self.batch = node("Shape", [self.tables], {"start": 0, "end": 1})  # [1]
+        self.width = node("Shape", [self.tables], {"start": 1, "end": 2})  # [1] table entries
+        self.tokens = node("Shape", [inputs[INPUT_IDS]], {"start": 1, "end": 2})  # [1]
+        self.blocks = node("Shape", [self.pool], {"start": 0, "end": 1})  # [1] blocks in the slice
+        self.rows = node("Mul", [self.batch, self.tokens])  # [1] B·T
+        self.slots = node("Mul", [self.blocks, self._int([block_size])])  # [1]
+        fits = node("And", [node("LessOrEqual", [self.blocks, node("Mul", [self.width, self._int([VIEW_SLACK])])]),
+                            node("LessOrEqual", [self.rows, self._int([VIEW_MAX_ROWS])])])
+        self.fits = node("Squeeze", [fits], name="paged_view_fits")
+        self.split = node("Concat", [self.slots, self.rows], {"axis": 0})
+        heads = site.q_heads
+        self.output_shape = node("Concat", [self.batch, self.tokens, self._int([heads, site.head_dim])], {"axis": 0})
+        self.query_shape = self._int([-1, site.kv_heads, heads // site.kv_heads, site.head_dim])
+        self.kv_shape = self._int([-1, site.kv_heads, 1, site.head_dim])
+
+    def _node(self, op_type: str, inputs, attributes=None, name: str | None = None) -> ir.Value:
+        return self.build.node(op_type, inputs, attributes, before=self.before, name=name).outputs[0]
+
+    def _int(self, values: list[int]) -> ir.Value:
+        array = np.asarray(values, dtype=np.int64)
+        name = "paged_view_const_" + "_".join(str(v).replace("-", "m") for v in values)
+        if name not in self.build.graph.initializers:
+            return self.build.initializer(name, array)
+        return self.build.graph.initializers[name]
+
+    def biases(self, windows: list[int]) -> dict[int, ir.Value]:
+        """One bias [B·T, slots + B·T] per sliding window (0: none), computed by an If that runs only when the
+        pool form will (else empty)."""
+        body = _Body(self.build.origin, "paged_view_bias")
+        visible = {window: self._visibility(body, window) for window in windows}
+        zero = body.constant(np.asarray(0.0, dtype=np.float32))
+        lowest = body.constant(np.asarray(LOWEST, dtype=np.float32))
+        then_outputs = [body.node("Where", [visible[window], zero, lowest]) for window in windows]
+        empty = _Body(self.build.origin, "paged_view_no_bias")
+        else_outputs = [empty.node("Identity", [empty.constant(np.zeros((0, 0), dtype=np.float32))])
+                        for _ in windows]
+        node = self.build.node("If", [self.fits], {"then_branch": body.graph("paged_view_bias", then_outputs),
+                                                   "else_branch": empty.graph("paged_view_no_bias", else_outputs)},
+                               before=self.before, outputs=len(windows), name="paged_view_bias")
+        for window, value in zip(windows, node.outputs):
+            value.name, value.dtype = f"paged_view_bias_w{window}", ir.DataType.FLOAT
+        return dict(zip(windows, node.outputs))
+
+    def _visibility(self, body: _Body, window: int) -> ir.Value:
+        """bool [B·T, slots + B·T] (see the module docstring)."""
+        n, c = body.node, body.constant
+        int64 = lambda *v: c(np.asarray(v, dtype=np.int64))  # noqa: E731
+        zero, one = c(np.asarray(0, dtype=np.int64)), c(np.asarray(1, dtype=np.int64))
+        scalar = lambda value: n("Squeeze", [value])  # noqa: E731
+        bs = self.block_size
+        # one-hot [B, blocks, width]: slice block j is row b's table entry l
+        blocks = n("Range", [zero, scalar(self.blocks), one])
+        onehot = n("Cast", [n("Equal", [n("Unsqueeze", [blocks, int64(1)]), n("Unsqueeze", [self.tables, int64(1)])])],
+                   {"to": ir.DataType.FLOAT})
+        positions = n("Reshape", [n("Range", [zero, n("Mul", [scalar(self.width), c(np.asarray(bs, np.int64))]), one]),
+                                  int64(-1, bs)])  # [width, bs]: the logical position of entry l, offset o
+        lens = n("Reshape", [self.lens, int64(-1, 1, 1, 1)])  # [B, 1, 1, 1]
+        entry_visible = n("Less", [positions, lens])  # [B, 1, width, bs]
+        steps = n("Range", [zero, scalar(self.tokens), one])  # [T]
+        if window > 0:
+            query = n("Add", [lens, n("Reshape", [steps, int64(1, -1, 1, 1)])])  # [B, T, 1, 1]
+            near = n("Less", [n("Sub", [query, positions]), c(np.asarray(window, np.int64))])  # [B, T, width, bs]
+            entry_visible = n("And", [entry_visible, near])
+        per_entry = n("Cast", [entry_visible], {"to": ir.DataType.FLOAT})  # [B, 1 or T, width, bs]
+        slot_visible = n("Greater", [n("MatMul", [n("Unsqueeze", [onehot, int64(1)]), per_entry]),
+                                     c(np.asarray(0.0, np.float32))])  # [B, 1 or T, blocks, bs]
+        expanded = n("Expand", [slot_visible, n("Concat", [self.batch, self.tokens, self.blocks, int64(bs)],
+                                                {"axis": 0})])
+        pool_part = n("Reshape", [expanded, n("Concat", [self.rows, self.slots], {"axis": 0})])  # [B·T, slots]
+        rows = n("Range", [zero, scalar(self.rows), one])
+        row_seq, row_step = n("Div", [rows, scalar(self.tokens)]), n("Mod", [rows, scalar(self.tokens)])
+        column = lambda value: n("Unsqueeze", [value, int64(1)])  # noqa: E731
+        same = n("Equal", [column(row_seq), row_seq])
+        distance = n("Sub", [column(row_step), row_step])  # [B·T, B·T]: t − t'
+        new_part = n("And", [same, n("GreaterOrEqual", [distance, zero])])
+        if window > 0:
+            new_part = n("And", [new_part, n("Less", [distance, c(np.asarray(window, np.int64))])])
+        return n("Concat", [pool_part, new_part], {"axis": 1})
+
+
+class _Body:
+    """Nodes of a subgraph (an If branch) under construction; they may read the outer graph's values."""
+
+    def __init__(self, origin: str, prefix: str):
+        self.origin, self.prefix = origin, prefix
+        self.nodes: list[ir.Node] = []
+
+    def node(self, op_type: str, inputs, attributes=None, domain: str = "", outputs: int = 1):
+        from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
+
+        made = ir.node(op_type, list(inputs), dict(attributes or {}), domain=domain, num_outputs=outputs)
+        made.metadata_props[ORIGIN_KEY] = self.origin
+        for index, value in enumerate(made.outputs):
+            value.name = f"{self.prefix}_{len(self.nodes)}_{index}"
+        self.nodes.append(made)
+        return made.outputs[0] if outputs == 1 else made.outputs
+
+    def constant(self, array: np.ndarray) -> ir.Value:
+        return self.node("Constant", [], {"value": ir.tensor(array)})
+
+    def graph(self, name: str, outputs: list[ir.Value]) -> ir.Graph:
+        """The branch, its outputs float32 (the checker needs every subgraph output's type)."""
+        for value in outputs:
+            value.dtype = ir.DataType.FLOAT
+        return ir.Graph([], outputs, nodes=self.nodes, name=name)
+
+
+def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value) -> None:
+    """Replace the site's attention by If(view_fits, pool attention, the gathered attention moved into the
+    else branch)."""
+    attention = site.attention
+    view = _Body(build.origin, f"paged_view_{site.layer}")
+    n = view.node
+
+    def fused(a, b, **attributes):
+        return n("FusedMatMul", [a, b], attributes, domain=MS_DOMAIN)
+
+    def rows(value, shape):  # [B, H, T, D] → [B·T, H, ., D] (a copy of the step's few rows)
+        return n("Reshape", [n("Transpose", [value], {"perm": [0, 2, 1, 3]}), shape])
+
+    q = rows(site.q, shared.query_shape)  # [B·T, Hkv, G, D]
+    k, v = (rows(value, shared.kv_shape) for value in site.new)  # [B·T, Hkv, 1, D]
+    pool_k, pool_v = (n("Reshape", [pool, shared.kv_shape]) for pool in site.pools)  # [slots, Hkv, 1, D], no copy
+    scores = {"alpha": site.scale, "transB": 1, "transBatchA": 1, "transBatchB": 1}
+    logits = n("Concat", [fused(q, pool_k, **scores), fused(q, k, **scores)], {"axis": -1})  # [Hkv, G, B·T, S]
+    probs = n("Softmax", [n("Add", [logits, bias])], {"axis": -1})
+    pool_probs, new_probs = n("Split", [probs, shared.split], {"axis": -1}, outputs=2)
+    out = n("Add", [fused(pool_probs, pool_v, transBatchB=1), fused(new_probs, v, transBatchB=1)])  # [Hkv,G,BT,D]
+    out = n("Transpose", [n("Reshape", [n("Transpose", [out], {"perm": [2, 0, 1, 3]}), shared.output_shape])],
+            {"perm": [0, 2, 1, 3]})  # [B, Hq, T, D]
+    then_branch = view.graph(f"paged_view_attention_{site.layer}", [out])
+
+    key_gather, value_gather, key_concat, value_concat = site.gathered
+    gathered = [key_gather, value_gather, key_concat, value_concat]
+    build.graph.remove(gathered + [attention])
+    result = attention.outputs[0]
+    else_out = ir.Value(name=f"paged_gathered_attention_{site.layer}", type=result.type,
+                        shape=None if result.shape is None else ir.Shape(list(result.shape.dims)))
+    moved = ir.node(attention.op_type, list(attention.inputs), {k: a.value for k, a in attention.attributes.items()},
+                    domain=attention.domain, outputs=[else_out, *[ir.Value() for _ in attention.outputs[1:]]])
+    moved.metadata_props.update(attention.metadata_props)
+    for index in range(len(attention.inputs)):
+        attention.replace_input_with(index, None)
+    for index, value in enumerate(moved.outputs[1:], start=1):
+        value.name = f"paged_gathered_attention_{site.layer}_unused_{index}"
+    else_branch = ir.Graph([], [else_out], nodes=[*gathered, moved], name=f"paged_gathered_attention_{site.layer}")
+    node = build.node("If", [shared.fits], {"then_branch": then_branch, "else_branch": else_branch},
+                      before=_first_use(result), name=f"paged_attention_{site.layer}")
+    out_value = node.outputs[0]
+    name = result.name
+    result.name = f"{name}_replaced"
+    out_value.name, out_value.dtype = name, result.dtype
+    out_value.shape = None if result.shape is None else ir.Shape(list(result.shape.dims))
+    result.replace_all_uses_with(out_value, replace_graph_outputs=True)
+
+
+def _first_use(value: ir.Value) -> ir.Node:
+    graph = value.uses()[0][0].graph
+    users = {id(node) for node, _ in value.uses()}
+    return next(node for node in graph if id(node) in users)

@@ -1,0 +1,74 @@
+"""ort paged-attention: the pool-reading form (one sequence, a slice about its size) and the gathered form (the
+whole pool) give the same logits and new K/V on the same inputs — shuffled blocks, a block listed twice (a
+released block's stand-in), a partly filled last block, a sliding window — and each form really ran."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import fxllm
+from tests.conftest import TINY_COMMON
+
+BLOCK = 4
+PASSES = f"cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size={BLOCK}"
+
+
+@pytest.fixture(scope="module", params=[0, 6], ids=["full-attention", "window-6"])
+def artifact(request, tmp_path_factory, tokenizer):
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+    window = request.param
+    config = MistralConfig(**TINY_COMMON, sliding_window=window) if window else LlamaConfig(**TINY_COMMON)
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp(f"paged-attention-w{window}")
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(directory / "model")
+    tokenizer.save_pretrained(directory / "model")
+    fxllm.compile(directory / "model", directory / "artifact", passes=PASSES)
+    return directory / "artifact"
+
+
+def _run(model_file, feeds, profile_dir):
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(profile_dir / "run")
+    session = ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    with open(session.end_profiling()) as trace:
+        ops = {event.get("args", {}).get("op_name") for event in json.load(trace)}
+    return outputs, ops
+
+
+def test_the_pool_form_equals_the_gathered_form(artifact, tmp_path):
+    rng = np.random.default_rng(0)
+    layers, kv_heads, head_dim, blocks = 2, TINY_COMMON["num_key_value_heads"], 16, 12
+    pools = {f"{kind}_cache_{layer}": rng.standard_normal((blocks, BLOCK, kv_heads, head_dim)).astype(np.float32)
+             for layer in range(layers) for kind in ("key", "value")}
+    context, new = 13, 3  # 13 cached tokens, the last block partly filled; 3 new tokens fill it
+    # windowed: entry 0 stands in for a released block (block 9 is also entry 1), out of every query's window;
+    # slots 13..15 (block 4) hold garbage the mask must hide
+    table = np.asarray([[9, 9, 2, 4]]) if "w6" in artifact.parent.name else np.asarray([[9, 5, 2, 4]])
+    common = {"input_ids": rng.integers(3, 1000, (1, new)), "position_ids": np.arange(context, context + new)[None],
+              "logits_index": np.arange(new), "context_lens": np.asarray([context])}
+    first, end = 2, 10  # the slice of blocks the sequence spans (8 blocks for a 4-entry table: the pool form)
+    gathered, gathered_ops = _run(artifact / "model.onnx", {**common, "block_tables": table, **pools}, tmp_path)
+    sliced = {name: pool[first:end] for name, pool in pools.items()}
+    viewed, viewed_ops = _run(artifact / "model.onnx", {**common, "block_tables": table - first, **sliced}, tmp_path)
+    assert "FusedMatMul" in viewed_ops and "FusedMatMul" not in gathered_ops
+    assert "Attention" in gathered_ops
+    assert np.isfinite(gathered["logits"]).all()
+    for name, value in gathered.items():
+        np.testing.assert_allclose(viewed[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_sequences_alone_generate_what_they_generate_in_a_batch(artifact):
+    """Alone, a sequence's slice is its own blocks (the pool form); in a batch of six the slice spans all six
+    (the gathered form)."""
+    prompts = [f"{i} The quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(6)]
+    batched = [r.token_ids for r in fxllm.load(artifact).generate(prompts, max_new_tokens=40)]
+    engine = fxllm.load(artifact)
+    assert [engine.generate(prompt, max_new_tokens=40).token_ids for prompt in prompts] == batched
