@@ -129,9 +129,9 @@ def _bias(build: Builder, mask: ir.Value, before: ir.Node, biases: dict[int, ir.
 def _rewrite(build: Builder, site: Site, seqlens: ir.Value, total: ir.Value, biases: dict[int, ir.Value]) -> None:
     attention = site.attention
     key_concat, value_concat = site.keys
-    q = _as_bsd(build, site.q, site.q_heads, site.head_dim, attention)
-    k = _as_bsd(build, key_concat.inputs[1], site.kv_heads, site.head_dim, attention)
-    v = _as_bsd(build, value_concat.inputs[1], site.kv_heads, site.head_dim, attention)
+    q = as_bsd(build, site.q, site.q_heads, site.head_dim, attention)
+    k = as_bsd(build, key_concat.inputs[1], site.kv_heads, site.head_dim, attention)
+    v = as_bsd(build, value_concat.inputs[1], site.kv_heads, site.head_dim, attention)
     bias = _bias(build, attention.inputs[3], attention, biases)
     attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads,
                   "scale": attention.attributes.get_float("scale", 1 / math.sqrt(site.head_dim))}
@@ -150,7 +150,7 @@ def _rewrite(build: Builder, site: Site, seqlens: ir.Value, total: ir.Value, bia
     _replace_output(build, attention.outputs[0], out, site)
 
 
-def _as_bsd(build: Builder, value: ir.Value, heads: int, head_dim: int, before: ir.Node) -> ir.Value:
+def as_bsd(build: Builder, value: ir.Value, heads: int, head_dim: int, before: ir.Node) -> ir.Value:
     """A [B, S, heads·head_dim] value equal to the [B, heads, S, head_dim] `value` transposed: the 3D source when
     value = Transpose(Reshape(x3d)) or a RotaryEmbedding of such (the rotary then runs on the 3D form), else an
     explicit Transpose + Reshape."""

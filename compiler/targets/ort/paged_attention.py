@@ -2,11 +2,16 @@
 the size of what it reads, instead of gathering the context into a contiguous copy first.
 
 before: past_k = Gather(Reshape(key_cache_i), rows); out = Attention(q, Concat(past_k, k), Concat(past_v, v), mask)
+        → Transpose → Reshape [B, T, Hq·D]
 after:  out = If(view_fits,
                  then: pool attention — q·key_cache_iᵀ over every slot of the pool input, ‖ q·kᵀ over the step's
                        own keys, under one additive bias, softmax, ·value_cache_i ‖ ·v (com.microsoft.FusedMatMul
                        reads the [slots, Hkv, D] pool through strides: nothing is copied),
-                 else: the gathered form above, unchanged)
+                 else: the gathered form above, moved into the branch)
+        q, k and v enter in their [B, T, H·D] layout (their RotaryEmbedding runs there, as group-query-attention
+        has it; new_key_i becomes that rotated k in its output layout) and the If returns [B, T, Hq·D]: no
+        transpose of the step's rows that the pool form does not need (on 2 cores each small node costs
+        microseconds).
 
 The runtime passes the slice of the pool its batch's block tables span (runtime/paged_cache.py `feeds`), with the
 tables relative to that slice. For one sequence whose blocks lie together that slice is exactly its context, so
@@ -36,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, producer, static_dims
+from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, producer, static_dims, take_place
+from fxllm.compiler.targets.ort.group_query_attention import as_bsd
 from fxllm.runtime.contract import BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, PAGED, parse_cache_name
 
 NAME = "paged-attention"
@@ -144,6 +150,8 @@ class _Shared:
         self.split = node("Concat", [self.slots, self.rows], {"axis": 0})
         heads = site.q_heads
         self.output_shape = node("Concat", [self.batch, self.tokens, self._int([heads, site.head_dim])], {"axis": 0})
+        self.flat_shape = node("Concat", [self.batch, self.tokens, self._int([heads * site.head_dim])], {"axis": 0})
+        self.head_shape = self._int([0, 0, heads, site.head_dim])
         self.query_shape = self._int([-1, site.kv_heads, heads // site.kv_heads, site.head_dim])
         self.kv_shape = self._int([-1, site.kv_heads, 1, site.head_dim])
 
@@ -232,60 +240,101 @@ class _Body:
     def constant(self, array: np.ndarray) -> ir.Value:
         return self.node("Constant", [], {"value": ir.tensor(array)})
 
-    def graph(self, name: str, outputs: list[ir.Value]) -> ir.Graph:
-        """The branch, its outputs float32 (the checker needs every subgraph output's type)."""
+    def graph(self, name: str, outputs: list[ir.Value], before: list[ir.Node] = ()) -> ir.Graph:
+        """The branch (after `before`, nodes moved in from the outer graph), its outputs float32 (the checker
+        needs every subgraph output's type)."""
         for value in outputs:
             value.dtype = ir.DataType.FLOAT
-        return ir.Graph([], outputs, nodes=self.nodes, name=name)
+        return ir.Graph([], outputs, nodes=[*before, *self.nodes], name=name)
 
 
 def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value) -> None:
     """Replace the site's attention by If(view_fits, pool attention, the gathered attention moved into the
-    else branch)."""
+    else branch). q, k and v enter the pool form in their [B, T, H·D] layout (the rotary runs there, as
+    group-query-attention does it; new_key_i is then that rotated k in the output's layout), and the If returns
+    [B, T, Hq·D] where the attention's only consumer was the Transpose + Reshape to it: every transpose of the
+    step's few rows that the pool form does not need is gone (on 2 cores each small node costs microseconds)."""
     attention = site.attention
+    q3 = as_bsd(build, site.q, site.q_heads, site.head_dim, attention)
+    k3 = as_bsd(build, site.new[0], site.kv_heads, site.head_dim, attention)
+    v3 = as_bsd(build, site.new[1], site.kv_heads, site.head_dim, attention)
+    if producer(site.new[0], "RotaryEmbedding") is not None and site.new[0].is_graph_output():
+        _output_from(build, site.new[0], k3, site.kv_heads, site.head_dim, attention)
+    flat_chain = _flat_consumer(attention.outputs[0])
+    flat_output = flat_chain[-1].outputs[0] if flat_chain else None
+
     view = _Body(build.origin, f"paged_view_{site.layer}")
     n = view.node
 
     def fused(a, b, **attributes):
         return n("FusedMatMul", [a, b], attributes, domain=MS_DOMAIN)
 
-    def rows(value, shape):  # [B, H, T, D] → [B·T, H, ., D] (a copy of the step's few rows)
-        return n("Reshape", [n("Transpose", [value], {"perm": [0, 2, 1, 3]}), shape])
-
-    q = rows(site.q, shared.query_shape)  # [B·T, Hkv, G, D]
-    k, v = (rows(value, shared.kv_shape) for value in site.new)  # [B·T, Hkv, 1, D]
+    q = n("Reshape", [q3, shared.query_shape])  # [B·T, Hkv, G, D]
+    k, v = (n("Reshape", [value, shared.kv_shape]) for value in (k3, v3))  # [B·T, Hkv, 1, D]
     pool_k, pool_v = (n("Reshape", [pool, shared.kv_shape]) for pool in site.pools)  # [slots, Hkv, 1, D], no copy
     scores = {"alpha": site.scale, "transB": 1, "transBatchA": 1, "transBatchB": 1}
     logits = n("Concat", [fused(q, pool_k, **scores), fused(q, k, **scores)], {"axis": -1})  # [Hkv, G, B·T, S]
     probs = n("Softmax", [n("Add", [logits, bias])], {"axis": -1})
     pool_probs, new_probs = n("Split", [probs, shared.split], {"axis": -1}, outputs=2)
     out = n("Add", [fused(pool_probs, pool_v, transBatchB=1), fused(new_probs, v, transBatchB=1)])  # [Hkv,G,BT,D]
-    out = n("Transpose", [n("Reshape", [n("Transpose", [out], {"perm": [2, 0, 1, 3]}), shared.output_shape])],
-            {"perm": [0, 2, 1, 3]})  # [B, Hq, T, D]
+    out = n("Reshape", [n("Transpose", [out], {"perm": [2, 0, 1, 3]}), shared.flat_shape])  # [B, T, Hq·D]
+    if flat_output is None:
+        out = n("Transpose", [n("Reshape", [out, shared.output_shape])], {"perm": [0, 2, 1, 3]})  # [B, Hq, T, D]
     then_branch = view.graph(f"paged_view_attention_{site.layer}", [out])
 
     key_gather, value_gather, key_concat, value_concat = site.gathered
-    gathered = [key_gather, value_gather, key_concat, value_concat]
-    build.graph.remove(gathered + [attention])
-    result = attention.outputs[0]
-    else_out = ir.Value(name=f"paged_gathered_attention_{site.layer}", type=result.type,
-                        shape=None if result.shape is None else ir.Shape(list(result.shape.dims)))
-    moved = ir.node(attention.op_type, list(attention.inputs), {k: a.value for k, a in attention.attributes.items()},
-                    domain=attention.domain, outputs=[else_out, *[ir.Value() for _ in attention.outputs[1:]]])
-    moved.metadata_props.update(attention.metadata_props)
+    moved = [key_gather, value_gather, key_concat, value_concat]
+    build.graph.remove(moved + [attention])
+    gathered = _Body(build.origin, f"paged_gathered_{site.layer}")
+    q4 = gathered.node("Transpose", [gathered.node("Reshape", [q3, shared.head_shape])], {"perm": [0, 2, 1, 3]})
+    result = gathered.node(attention.op_type, [q4, *attention.inputs[1:]],
+                           {name: a.value for name, a in attention.attributes.items()}, domain=attention.domain,
+                           outputs=len(attention.outputs))
+    result = result[0] if len(attention.outputs) > 1 else result
+    gathered.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, moved
     for index in range(len(attention.inputs)):
         attention.replace_input_with(index, None)
-    for index, value in enumerate(moved.outputs[1:], start=1):
-        value.name = f"paged_gathered_attention_{site.layer}_unused_{index}"
-    else_branch = ir.Graph([], [else_out], nodes=[*gathered, moved], name=f"paged_gathered_attention_{site.layer}")
+    if flat_output is not None:
+        result = gathered.node("Reshape", [gathered.node("Transpose", [result], {"perm": [0, 2, 1, 3]}),
+                                           shared.flat_shape])
+    else_branch = gathered.graph(f"paged_gathered_attention_{site.layer}", [result], before=moved)
+    replaced = flat_output if flat_output is not None else attention.outputs[0]
     node = build.node("If", [shared.fits], {"then_branch": then_branch, "else_branch": else_branch},
-                      before=_first_use(result), name=f"paged_attention_{site.layer}")
-    out_value = node.outputs[0]
-    name = result.name
-    result.name = f"{name}_replaced"
-    out_value.name, out_value.dtype = name, result.dtype
-    out_value.shape = None if result.shape is None else ir.Shape(list(result.shape.dims))
-    result.replace_all_uses_with(out_value, replace_graph_outputs=True)
+                      before=_first_use(replaced), name=f"paged_attention_{site.layer}")
+    value = node.outputs[0]
+    value.name, value.dtype = f"paged_attention_{site.layer}", replaced.dtype
+    value.shape = None if replaced.shape is None else ir.Shape(list(replaced.shape.dims))
+    replaced.replace_all_uses_with(value, replace_graph_outputs=True)
+    if flat_chain:
+        build.graph.remove(flat_chain)
+        for chained in flat_chain:
+            for index in range(len(chained.inputs)):
+                chained.replace_input_with(index, None)
+
+
+def _output_from(build: Builder, output: ir.Value, flat: ir.Value, heads: int, head_dim: int,
+                 before: ir.Node) -> None:
+    """The graph output `output` [B, H, T, D] becomes `flat` [B, T, H·D] split and transposed (its rotary then
+    runs once, on the 3D form)."""
+    shape = build.initializer(f"{output.name}_bthd_shape", np.asarray([0, 0, heads, head_dim], dtype=np.int64))
+    split = build.node("Reshape", [flat, shape], before=before).outputs[0]
+    back = build.node("Transpose", [split], {"perm": [0, 2, 1, 3]}, before=before).outputs[0]
+    take_place(output, back, "4d_rotary")
+
+
+def _flat_consumer(value: ir.Value) -> list[ir.Node] | None:
+    """value's only consumer chain Transpose([0,2,1,3]) → Reshape to [B, T, H·D], or None."""
+    uses = value.uses()
+    if len(uses) != 1 or uses[0][0].op_type != "Transpose":
+        return None
+    transpose = uses[0][0]
+    if list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+        return None
+    after = transpose.outputs[0].uses()
+    if len(after) != 1 or after[0][0].op_type != "Reshape":
+        return None
+    reshaped = after[0][0].outputs[0]
+    return [transpose, after[0][0]] if reshaped.shape is not None and len(reshaped.shape) == 3 else None
 
 
 def _first_use(value: ir.Value) -> ir.Node:
