@@ -40,9 +40,7 @@ def profiled_engine(artifact: Path, threads: int, directory: str, int8_activatio
     options = old.get_session_options()
     options.enable_profiling = True
     options.profile_file_prefix = os.path.join(directory, artifact.name)
-    backend.session = ort.InferenceSession(str(engine.manifest.model_file), options, providers=old.get_providers())
-    if backend.aliases:  # shared KV buffers: bind them on the new session
-        backend._binding, backend._bound, backend._binding_order = backend.session.io_binding(), {}, []
+    backend.use_session(ort.InferenceSession(str(engine.manifest.model_file), options, providers=old.get_providers()))
     return engine
 
 

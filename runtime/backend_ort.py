@@ -72,6 +72,12 @@ class OrtBackend:
                     self._dim_sources.setdefault(d, (i.name, axis))
         self._output_dtypes = {o.name: _NUMPY_DTYPES.get(_dtype(o.type)) for o in self.session.get_outputs()}
 
+    def use_session(self, session) -> None:
+        """Run on `session` from now on (an InferenceSession of the same model, e.g. one that profiles): bindings
+        are made anew on it."""
+        self.session, self._binding = session, session.io_binding()
+        self._bound, self._binding_order, self._state, self._state_outputs, self._given = {}, [], None, {}, None
+
     @property
     def providers(self) -> list[str]:
         return self.session.get_providers()

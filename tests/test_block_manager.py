@@ -463,3 +463,15 @@ def test_rejected_draft_tokens_never_enter_the_prefix_cache():
     bm.release_slots(0)  # nothing reserved past the committed tokens: a no-op
     assert bm.num_reserved(0) == 5
     bm.check_invariants()
+
+
+def test_never_cached_blocks_are_taken_lowest_first_so_a_sequence_lies_together():
+    """A sequence allocated after others left takes the lowest free blocks, in order: the slice of the pool a
+    step reads (runtime/model_runner.py) is then about its own context."""
+    bm = BlockManager(num_blocks=12, block_size=2, enable_prefix_caching=False)
+    bm.allocate(0, list(range(7)))  # blocks 0-3
+    bm.allocate(1, list(range(5)))  # blocks 4-6
+    bm.free(0)
+    bm.allocate(2, list(range(9)))  # 5 blocks: the four freed ones first, then the next lowest
+    assert bm.block_table(2) == [0, 1, 2, 3, 7]
+    bm.check_invariants()

@@ -33,17 +33,16 @@ def test_paged_graph_form(paged_artifact):
     assert "attention_mask" not in inputs and not any(name.startswith("past_") for name in inputs)
     outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     assert outputs["new_key_1"] == ["batch", 2, "tokens", 16]
-    # standard ops, but for the norms and the pool-reading attention the ort target's legalization makes
-    # (compiler/targets/ort): each layer's attention is an If of the pool form and the gathered form
+    # standard ops, but for the norms and the attention the ort target's legalization makes (compiler/targets/ort):
+    # each layer's attention is an If of the pool form (FusedMatMul) and the gathered one (GroupQueryAttention)
     nodes = list(_all_nodes(model.graph))
     contrib = {n.op_type for n in nodes if n.domain not in ("", "ai.onnx")}
-    assert contrib == {"SkipSimplifiedLayerNormalization", "FusedMatMul"}
+    assert contrib == {"SkipSimplifiedLayerNormalization", "FusedMatMul", "GroupQueryAttention"}
     ifs = [n for n in model.graph.node if n.op_type == "If" and n.name.startswith("paged_attention_")]
     assert len(ifs) == 2  # one per layer
     assert not any(n.op_type in ("ScatterND", "ScatterElements") for n in nodes)  # the pool is read only
     assert not any(n.op_type == "Transpose" and n.input[0].startswith("key_cache") for n in nodes)
-    assert {f.op for f in audit_file(paged_artifact)} == {"com.microsoft.SkipSimplifiedLayerNormalization",
-                                                         "com.microsoft.FusedMatMul"}
+    assert {f.op for f in audit_file(paged_artifact)} == {f"com.microsoft.{op}" for op in contrib}
 
 
 def _all_nodes(graph):

@@ -45,30 +45,53 @@ def _run(model_file, feeds, profile_dir):
 
 def test_the_pool_form_equals_the_gathered_form(artifact, tmp_path):
     rng = np.random.default_rng(0)
-    layers, kv_heads, head_dim, blocks = 2, TINY_COMMON["num_key_value_heads"], 16, 12
+    layers, kv_heads, head_dim, blocks = 2, TINY_COMMON["num_key_value_heads"], 16, 100
     pools = {f"{kind}_cache_{layer}": rng.standard_normal((blocks, BLOCK, kv_heads, head_dim)).astype(np.float32)
              for layer in range(layers) for kind in ("key", "value")}
-    context, new = 13, 3  # 13 cached tokens, the last block partly filled; 3 new tokens fill it
-    # windowed: entry 0 stands in for a released block (block 9 is also entry 1), out of every query's window;
-    # slots 13..15 (block 4) hold garbage the mask must hide
-    table = np.asarray([[9, 9, 2, 4]]) if "w6" in artifact.parent.name else np.asarray([[9, 5, 2, 4]])
+    context, new = 149, 3  # the last cached block partly filled; slots past the context hold garbage to hide
+    entries = -(-(context + new) // BLOCK)  # 38 table entries
+    first, end = 10, 80  # the slice the sequence spans: 70 blocks (at most twice its 38, >= 128 slots)
+    table = rng.permutation(np.arange(first, end))[:entries]
+    if "w6" in artifact.parent.name:  # released blocks' entries hold a stand-in: the first kept block
+        table[:30] = table[30]
+    table = table[None]
     common = {"input_ids": rng.integers(3, 1000, (1, new)), "position_ids": np.arange(context, context + new)[None],
               "logits_index": np.arange(new), "context_lens": np.asarray([context])}
-    first, end = 2, 10  # the slice of blocks the sequence spans (8 blocks for a 4-entry table: the pool form)
     gathered, gathered_ops = _run(artifact / "model.onnx", {**common, "block_tables": table, **pools}, tmp_path)
     sliced = {name: pool[first:end] for name, pool in pools.items()}
     viewed, viewed_ops = _run(artifact / "model.onnx", {**common, "block_tables": table - first, **sliced}, tmp_path)
     assert "FusedMatMul" in viewed_ops and "FusedMatMul" not in gathered_ops
-    assert "Attention" in gathered_ops
+    assert {"Attention", "GroupQueryAttention"} & gathered_ops  # GQA where no layer slides
     assert np.isfinite(gathered["logits"]).all()
     for name, value in gathered.items():
         np.testing.assert_allclose(viewed[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_sequences_alone_generate_what_they_generate_in_a_batch(artifact):
-    """Alone, a sequence's slice is its own blocks (the pool form); in a batch of six the slice spans all six
-    (the gathered form)."""
-    prompts = [f"{i} The quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(6)]
+    """Alone, a sequence's slice is its own blocks (the pool form, once its context reaches 128 slots); in a batch
+    of six the slice spans all six (the gathered form)."""
+    prompts = [f"{i} The quick brown fox jumps over the lazy dog " * (3 + 4 * (i % 3)) for i in range(6)]
     batched = [r.token_ids for r in fxllm.load(artifact).generate(prompts, max_new_tokens=40)]
     engine = fxllm.load(artifact)
     assert [engine.generate(prompt, max_new_tokens=40).token_ids for prompt in prompts] == batched
+
+
+def test_a_paged_step_writes_its_new_kv_into_the_pools_reused_arrays(artifact):
+    """OrtBackend writes new_key_i / new_value_i into the arrays StepFeeds.outputs names (the pool's staging
+    array, one per batch shape), so a decode step fetches no K/V output from ONNX Runtime."""
+    engine = fxllm.load(artifact)
+    backend, calls = engine.backend, []
+    run = backend.run
+
+    def spy(feeds):
+        outputs = run(feeds)
+        calls.append((feeds.outputs, outputs))
+        return outputs
+
+    backend.run = spy
+    engine.generate("The quick brown fox", max_new_tokens=6)
+    decodes = calls[1:]
+    assert len(decodes) == 5 and all(given is decodes[0][0] for given, _ in decodes)  # one dict while B, T hold
+    for given, outputs in decodes:
+        assert all(outputs[name] is array for name, array in given.items())
+        assert set(given) == {name for name in outputs if name.startswith("new_")}

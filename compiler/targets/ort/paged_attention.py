@@ -49,6 +49,7 @@ NAME = "paged-attention"
 LOWEST = float(np.finfo(np.float32).min)
 VIEW_SLACK = 2  # the pool form runs while the slice holds at most this many times the table's blocks
 VIEW_MAX_ROWS = 32  # ... and the step feeds at most this many tokens (a prefill gathers: one copy for many rows)
+VIEW_MIN_SLOTS = 128  # ... and, where the gathered form is GroupQueryAttention, the slice is at least this long
 
 
 @dataclass
@@ -83,10 +84,11 @@ def apply(model: ir.Model, context) -> int:
         return 0
     build = Builder(graph, f"lowering:ort/{NAME}")
     first = next(iter(graph))
-    shared = _Shared(build, inputs, sites[0], block_size, first)
+    gqa = not any(windows)  # the gathered form as GroupQueryAttention (no sliding window to express)
+    shared = _Shared(build, inputs, sites[0], block_size, first, gqa)
     biases = shared.biases(sorted({windows[site.layer] for site in sites}))
     for site in sites:
-        _rewrite(build, site, shared, biases[windows[site.layer]])
+        _rewrite(build, site, shared, biases[windows[site.layer]], gqa)
     return len(sites)
 
 
@@ -133,7 +135,8 @@ class _Shared:
     """Values every layer's rewrite reads, built once in front of the graph's first node: sizes, the If
     condition, the split sizes and the reshape targets."""
 
-    def __init__(self, build: Builder, inputs: dict[str, ir.Value], site: Site, block_size: int, before: ir.Node):
+    def __init__(self, build: Builder, inputs: dict[str, ir.Value], site: Site, block_size: int, before: ir.Node,
+                 gqa: bool):
         self.build, self.before, self.block_size = build, before, block_size
         self.tables, self.lens, self.pool = inputs[BLOCK_TABLES], inputs[CONTEXT_LENS], site.pools[0]
         self.kv_heads, self.head_dim, self.q_heads = site.kv_heads, site.head_dim, site.q_heads
@@ -146,7 +149,14 @@ class _Shared:
         self.slots = node("Mul", [self.blocks, self._int([block_size])])  # [1]
         fits = node("And", [node("LessOrEqual", [self.blocks, node("Mul", [self.width, self._int([VIEW_SLACK])])]),
                             node("LessOrEqual", [self.rows, self._int([VIEW_MAX_ROWS])])])
+        if gqa:
+            fits = node("And", [fits, node("GreaterOrEqual", [self.slots, self._int([VIEW_MIN_SLOTS])])])
         self.fits = node("Squeeze", [fits], name="paged_view_fits")
+        if gqa:  # GroupQueryAttention's lengths: row b holds context_lens[b] + T keys after the step
+            last = node("Sub", [node("Add", [self.lens, node("Squeeze", [self.tokens])]), self._int([1])])
+            self.seqlens = node("Cast", [last], {"to": ir.DataType.INT32}, name="paged_gqa_seqlens_k")
+            total = node("Add", [node("ReduceMax", [self.lens], {"keepdims": 0}), node("Squeeze", [self.tokens])])
+            self.total = node("Cast", [total], {"to": ir.DataType.INT32}, name="paged_gqa_total_sequence_length")
         self.split = node("Concat", [self.slots, self.rows], {"axis": 0})
         heads = site.q_heads
         self.output_shape = node("Concat", [self.batch, self.tokens, self._int([heads, site.head_dim])], {"axis": 0})
@@ -230,7 +240,8 @@ class _Body:
     def node(self, op_type: str, inputs, attributes=None, domain: str = "", outputs: int = 1):
         from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
 
-        made = ir.node(op_type, list(inputs), dict(attributes or {}), domain=domain, num_outputs=outputs)
+        made = ir.node(op_type, list(inputs), dict(attributes or {}), domain=domain, num_outputs=outputs,
+                       name=f"{self.prefix}_{op_type}_{len(self.nodes)}")
         made.metadata_props[ORIGIN_KEY] = self.origin
         for index, value in enumerate(made.outputs):
             value.name = f"{self.prefix}_{len(self.nodes)}_{index}"
@@ -248,7 +259,7 @@ class _Body:
         return ir.Graph([], outputs, nodes=[*before, *self.nodes], name=name)
 
 
-def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value) -> None:
+def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: bool) -> None:
     """Replace the site's attention by If(view_fits, pool attention, the gathered attention moved into the
     else branch). q, k and v enter the pool form in their [B, T, H·D] layout (the rotary runs there, as
     group-query-attention does it; new_key_i is then that rotated k in the output's layout), and the If returns
@@ -283,20 +294,32 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value) -> Non
     then_branch = view.graph(f"paged_view_attention_{site.layer}", [out])
 
     key_gather, value_gather, key_concat, value_concat = site.gathered
-    moved = [key_gather, value_gather, key_concat, value_concat]
-    build.graph.remove(moved + [attention])
+    moved = [key_gather, value_gather] if gqa else [key_gather, value_gather, key_concat, value_concat]
+    build.graph.remove([key_gather, value_gather, key_concat, value_concat, attention])
     gathered = _Body(build.origin, f"paged_gathered_{site.layer}")
-    q4 = gathered.node("Transpose", [gathered.node("Reshape", [q3, shared.head_shape])], {"perm": [0, 2, 1, 3]})
-    result = gathered.node(attention.op_type, [q4, *attention.inputs[1:]],
-                           {name: a.value for name, a in attention.attributes.items()}, domain=attention.domain,
-                           outputs=len(attention.outputs))
-    result = result[0] if len(attention.outputs) > 1 else result
-    gathered.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, moved
-    for index in range(len(attention.inputs)):
-        attention.replace_input_with(index, None)
-    if flat_output is not None:
-        result = gathered.node("Reshape", [gathered.node("Transpose", [result], {"perm": [0, 2, 1, 3]}),
-                                           shared.flat_shape])
+    if gqa:
+        # the gathered past [B, Hkv, table slots, D]; the op places the step's keys after each row's context_lens
+        # in its own present copy and attends causally to context + new (unfilled slots are never read)
+        attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads, "scale": site.scale}
+        result = gathered.node("GroupQueryAttention", [q3, k3, v3, key_gather.outputs[0], value_gather.outputs[0],
+                                                       shared.seqlens, shared.total], attributes,
+                               domain=MS_DOMAIN, outputs=3)[0]  # [B, T, Hq·D]
+        if flat_output is None:
+            result = gathered.node("Transpose", [gathered.node("Reshape", [result, shared.head_shape])],
+                                   {"perm": [0, 2, 1, 3]})
+    else:
+        q4 = gathered.node("Transpose", [gathered.node("Reshape", [q3, shared.head_shape])], {"perm": [0, 2, 1, 3]})
+        result = gathered.node(attention.op_type, [q4, *attention.inputs[1:]],
+                               {name: a.value for name, a in attention.attributes.items()}, domain=attention.domain,
+                               outputs=len(attention.outputs))
+        result = result[0] if len(attention.outputs) > 1 else result
+        gathered.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, moved
+        if flat_output is not None:
+            result = gathered.node("Reshape", [gathered.node("Transpose", [result], {"perm": [0, 2, 1, 3]}),
+                                               shared.flat_shape])
+    for node in (attention, key_concat, value_concat) if gqa else (attention,):  # the nodes left behind
+        for index in range(len(node.inputs)):
+            node.replace_input_with(index, None)
     else_branch = gathered.graph(f"paged_gathered_attention_{site.layer}", [result], before=moved)
     replaced = flat_output if flat_output is not None else attention.outputs[0]
     node = build.node("If", [shared.fits], {"then_branch": then_branch, "else_branch": else_branch},
