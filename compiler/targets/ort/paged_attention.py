@@ -7,7 +7,11 @@ after:  out = If(view_fits,
                  then: pool attention — q·key_cache_iᵀ over every slot of the pool input, ‖ q·kᵀ over the step's
                        own keys, under one additive bias, softmax, ·value_cache_i ‖ ·v (com.microsoft.FusedMatMul
                        reads the [slots, Hkv, D] pool through strides: nothing is copied),
-                 else: the gathered form above, moved into the branch)
+                 else: the gathered form: past_k gathered as before, then com.microsoft.GroupQueryAttention
+                       (q, k, v, past_k, past_v, seqlens_k = context_lens + T − 1, total = max + T): it places
+                       the step's keys after each row's context in its own present copy and attends causally,
+                       so the Concats, the mask and the Attention go; where a layer slides, the Attention form
+                       above, moved into the branch)
         q, k and v enter in their [B, T, H·D] layout (their RotaryEmbedding runs there, as group-query-attention
         has it; new_key_i becomes that rotated k in its output layout) and the If returns [B, T, Hq·D]: no
         transpose of the step's rows that the pool form does not need (on 2 cores each small node costs
@@ -21,7 +25,9 @@ pool form scores every query against every slot of the slice (a batch of several
 query against all of them), so it runs only when the slice holds at most twice the slots of the block table and
 the step feeds at most 32 tokens (`view_fits`, computed once per step): larger batches keep the gather, and so
 does a prefill, whose one copy of the context serves all its tokens (and whose new-token scores would be
-quadratic here, where the Attention kernel is causal-aware).
+quadratic here, where the Attention kernel is causal-aware). Where the gathered form is GroupQueryAttention (3
+nodes a layer against the pool form's 16) the pool form also waits for 128 slots of context: below that the
+copy costs less than the nodes (SmolLM2 at 64 tokens, measured).
 
 The bias [B·T, slots + B·T] is built once per step (in an If of its own, skipped when the gather form runs): slot
 s of the slice is visible to query (b, t) when block s // block_size appears in row b's table at a logical index
