@@ -4,8 +4,8 @@ A block is free (reference count 0) or held by one or more sequences. A full blo
 registered in the prefix cache under the chained hash of its content; when its last holder lets go it stays
 cached but evictable, and allocation takes never-cached free blocks first, lowest index first (so a sequence's
 blocks lie together and the slice of the pool a step reads stays small: runtime/model_runner.py), then evicts the
-least recently released cached one. What a block means to a sequence (its logical position, the tokens in it) is the block
-manager's business (runtime/block_manager.py).
+least recently released cached one. What a block means to a sequence (its logical position, the tokens in it) is
+the block manager's business (runtime/block_manager.py).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class BlockPool:
         return self._block_to_hash.get(block)
 
     def take(self) -> int:
-        """A free block, now referenced once: never-cached ones first (the lowest), else the least recently released cached one
-        (evicted from the prefix cache)."""
+        """A free block, now referenced once: never-cached ones first (the lowest), else the least recently released
+        cached one (evicted from the prefix cache)."""
         if self._free:
             block = heapq.heappop(self._free)
         else:

@@ -71,7 +71,8 @@ class PagedKVPool:
         valid = slots >= 0
         every = bool(valid.all())
         blocks, offsets = np.divmod(slots if every else slots[valid], self.block_size)
-        staged = all(outputs[name] is array for name, array in self._staging_feeds.items()) and self._staging_feeds
+        staged = bool(self._staging_feeds) and all(outputs[name] is array
+                                                   for name, array in self._staging_feeds.items())
         new = self._staging if staged else np.stack([outputs[name] for name in self._outputs])
         new = new.transpose(0, 1, 3, 2, 4)  # [2L, B, T, Hkv, D]
         self._pools[:, blocks, offsets] = new if every else new[:, valid]

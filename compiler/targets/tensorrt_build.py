@@ -49,8 +49,9 @@ def dim_ranges(manifest: dict[str, Any], max_batch: int, max_tokens: int,
     """(min, opt, max) of every symbolic dim an artifact's signature uses; opt is a single-token decode step at half
     the context. `select` (select-logits: positions whose logits are computed) is 1 at prefill/decode and up to
     every new token for scoring and speculative verification; `table` (paged: blocks per sequence) covers the whole
-    context; `blocks` (paged: the pool) is fixed when the engine runs, so its range is the pool the runtime
-    allocates by default (`max_blocks`, default: the 512 MiB default KV budget, at least one full context)."""
+    context; `blocks` (paged: the slice of the pool a step reads, runtime/model_runner.py) ranges up to the pool the
+    runtime allocates by default (`max_blocks`, default: the 512 MiB default KV budget, at least one full
+    context)."""
     context = int(manifest["spec"]["max_positions"])
     ranges = {"batch": (1, 1, max_batch), "tokens": (1, 1, max_tokens), "past": (0, context // 2, context - 1),
               "total": (1, context // 2 + 1, context), "select": (1, 1, max_tokens)}
