@@ -163,6 +163,9 @@ class _Shared:
             self.seqlens = node("Cast", [last], {"to": ir.DataType.INT32}, name="paged_gqa_seqlens_k")
             total = node("Add", [node("ReduceMax", [self.lens], {"keepdims": 0}), node("Squeeze", [self.tokens])])
             self.total = node("Cast", [total], {"to": ir.DataType.INT32}, name="paged_gqa_total_sequence_length")
+            one = self._int([1])
+            single = node("Or", [node("Equal", [self.batch, one]), node("Equal", [self.tokens, one])])
+            self.gqa_fits = node("Squeeze", [single], name="paged_gqa_fits")
         self.split = node("Concat", [self.slots, self.rows], {"axis": 0})
         heads = site.q_heads
         self.output_shape = node("Concat", [self.batch, self.tokens, self._int([heads, site.head_dim])], {"axis": 0})
@@ -300,33 +303,40 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
     then_branch = view.graph(f"paged_view_attention_{site.layer}", [out])
 
     key_gather, value_gather, key_concat, value_concat = site.gathered
-    moved = [key_gather, value_gather] if gqa else [key_gather, value_gather, key_concat, value_concat]
     build.graph.remove([key_gather, value_gather, key_concat, value_concat, attention])
-    gathered = _Body(build.origin, f"paged_gathered_{site.layer}")
-    if gqa:
-        # the gathered past [B, Hkv, table slots, D]; the op places the step's keys after each row's context_lens
-        # in its own present copy and attends causally to context + new (unfilled slots are never read)
-        attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads, "scale": site.scale}
-        result = gathered.node("GroupQueryAttention", [q3, k3, v3, key_gather.outputs[0], value_gather.outputs[0],
-                                                       shared.seqlens, shared.total], attributes,
-                               domain=MS_DOMAIN, outputs=3)[0]  # [B, T, Hq·D]
-        if flat_output is None:
-            result = gathered.node("Transpose", [gathered.node("Reshape", [result, shared.head_shape])],
-                                   {"perm": [0, 2, 1, 3]})
+    standard = _Body(build.origin, f"paged_gathered_attention_{site.layer}")  # Concat + Attention, moved
+    q4 = standard.node("Transpose", [standard.node("Reshape", [q3, shared.head_shape])], {"perm": [0, 2, 1, 3]})
+    result = standard.node(attention.op_type, [q4, *attention.inputs[1:]],
+                           {name: a.value for name, a in attention.attributes.items()}, domain=attention.domain,
+                           outputs=len(attention.outputs))
+    result = result[0] if len(attention.outputs) > 1 else result
+    standard.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, moved
+    if flat_output is not None:
+        result = standard.node("Reshape", [standard.node("Transpose", [result], {"perm": [0, 2, 1, 3]}),
+                                           shared.flat_shape])
+    for index in range(len(attention.inputs)):
+        attention.replace_input_with(index, None)
+    if not gqa:
+        else_branch = standard.graph(f"paged_gathered_{site.layer}", [result],
+                                     before=[key_gather, value_gather, key_concat, value_concat])
     else:
-        q4 = gathered.node("Transpose", [gathered.node("Reshape", [q3, shared.head_shape])], {"perm": [0, 2, 1, 3]})
-        result = gathered.node(attention.op_type, [q4, *attention.inputs[1:]],
-                               {name: a.value for name, a in attention.attributes.items()}, domain=attention.domain,
-                               outputs=len(attention.outputs))
-        result = result[0] if len(attention.outputs) > 1 else result
-        gathered.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, moved
-        if flat_output is not None:
-            result = gathered.node("Reshape", [gathered.node("Transpose", [result], {"perm": [0, 2, 1, 3]}),
-                                               shared.flat_shape])
-    for node in (attention, key_concat, value_concat) if gqa else (attention,):  # the nodes left behind
-        for index in range(len(node.inputs)):
-            node.replace_input_with(index, None)
-    else_branch = gathered.graph(f"paged_gathered_attention_{site.layer}", [result], before=moved)
+        # the gathered past [B, Hkv, table slots, D]; the op places the step's keys after each row's context_lens
+        # in its own present copy and attends causally to context + new (unfilled slots are never read). ONNX
+        # Runtime's kernel takes several new tokens with a past only for one row: a batch of several rows feeding
+        # several tokens each (speculative verification) takes the Concat + Attention form
+        fused = _Body(build.origin, f"paged_gqa_{site.layer}")
+        attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads, "scale": site.scale}
+        out = fused.node("GroupQueryAttention", [q3, k3, v3, key_gather.outputs[0], value_gather.outputs[0],
+                                                 shared.seqlens, shared.total], attributes,
+                         domain=MS_DOMAIN, outputs=3)[0]  # [B, T, Hq·D]
+        if flat_output is None:
+            out = fused.node("Transpose", [fused.node("Reshape", [out, shared.head_shape])], {"perm": [0, 2, 1, 3]})
+        outer = _Body(build.origin, f"paged_gathered_{site.layer}")
+        choice = outer.node("If", [shared.gqa_fits],
+                            {"then_branch": fused.graph(f"paged_gqa_{site.layer}", [out]),
+                             "else_branch": standard.graph(f"paged_gathered_attention_{site.layer}", [result],
+                                                           before=[key_concat, value_concat])})
+        else_branch = outer.graph(f"paged_gathered_{site.layer}", [choice], before=[key_gather, value_gather])
     replaced = flat_output if flat_output is not None else attention.outputs[0]
     node = build.node("If", [shared.fits], {"then_branch": then_branch, "else_branch": else_branch},
                       before=_first_use(replaced), name=f"paged_attention_{site.layer}")
