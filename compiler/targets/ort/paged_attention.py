@@ -10,8 +10,9 @@ after:  out = If(view_fits,
                  else: the gathered form: past_k gathered as before, then com.microsoft.GroupQueryAttention
                        (q, k, v, past_k, past_v, seqlens_k = context_lens + T − 1, total = max + T): it places
                        the step's keys after each row's context in its own present copy and attends causally,
-                       so the Concats, the mask and the Attention go; where a layer slides, the Attention form
-                       above, moved into the branch)
+                       so the Concats, the mask and the Attention go — when one row or one token a row is fed
+                       (the kernel's rule; a nested If), else and where a layer slides the Attention form above,
+                       moved into the branch)
         q, k and v enter in their [B, T, H·D] layout (their RotaryEmbedding runs there, as group-query-attention
         has it; new_key_i becomes that rotated k in its output layout) and the If returns [B, T, Hq·D]: no
         transpose of the step's rows that the pool form does not need (on 2 cores each small node costs
