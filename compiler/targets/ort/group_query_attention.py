@@ -196,22 +196,31 @@ def _bsd_source(value: ir.Value, heads: int, head_dim: int) -> ir.Value | None:
 def _replace_output(build: Builder, attention_out: ir.Value, out: ir.Value, site: Site) -> None:
     """Feed the attention's consumers from the 3D output: Transpose([0,2,1,3]) → Reshape([B,S,H·D]) becomes `out`
     itself; any other consumer gets `out` reshaped and transposed back to [B,H,S,D]."""
-    uses = attention_out.uses()
-    if len(uses) == 1:
-        transpose = uses[0][0]
-        if transpose.op_type == "Transpose" and list(transpose.attributes.get_ints("perm", [])) == [0, 2, 1, 3]:
-            after = transpose.outputs[0].uses()
-            if len(after) == 1 and after[0][0].op_type == "Reshape":
-                reshape = after[0][0]
-                if static_dims(reshape.outputs[0]) is not None and len(reshape.outputs[0].shape) == 3:
-                    reshape.outputs[0].replace_all_uses_with(out, replace_graph_outputs=True)
-                    return
+    chain = flat_consumer(attention_out)
+    if chain is not None:
+        chain[-1].outputs[0].replace_all_uses_with(out, replace_graph_outputs=True)
+        return
     shape = build.initializer(f"{out.name}_bshd_shape",
                               np.asarray([0, 0, site.q_heads, site.head_dim], dtype=np.int64))
     split = build.node("Reshape", [out, shape], before=site.attention).outputs[0]
     back = build.node("Transpose", [split], {"perm": [0, 2, 1, 3]}, before=site.attention).outputs[0]
     back.dtype, back.shape = attention_out.dtype, copy_shape(attention_out)
     attention_out.replace_all_uses_with(back, replace_graph_outputs=True)
+
+
+def flat_consumer(value: ir.Value) -> list[ir.Node] | None:
+    """value's only consumer chain Transpose([0,2,1,3]) → Reshape to a 3D [B, S, H·D], or None."""
+    uses = value.uses()
+    if len(uses) != 1 or uses[0][0].op_type != "Transpose":
+        return None
+    transpose = uses[0][0]
+    if list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+        return None
+    after = transpose.outputs[0].uses()
+    if len(after) != 1 or after[0][0].op_type != "Reshape":
+        return None
+    reshaped = after[0][0].outputs[0]
+    return [transpose, after[0][0]] if reshaped.shape is not None and len(reshaped.shape) == 3 else None
 
 
 def _update_signature(graph: ir.Graph, context, sites: list[Site]) -> None:

@@ -49,7 +49,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, producer, static_dims, take_place
-from fxllm.compiler.targets.ort.group_query_attention import as_bsd
+from fxllm.compiler.targets.ort.group_query_attention import as_bsd, flat_consumer
+from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
 from fxllm.runtime.contract import BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, PAGED, parse_cache_name
 
 NAME = "paged-attention"
@@ -146,7 +147,6 @@ class _Shared:
                  gqa: bool):
         self.build, self.before, self.block_size = build, before, block_size
         self.tables, self.lens, self.pool = inputs[BLOCK_TABLES], inputs[CONTEXT_LENS], site.pools[0]
-        self.kv_heads, self.head_dim, self.q_heads = site.kv_heads, site.head_dim, site.q_heads
         node = self._node
         self.batch = node("Shape", [self.tables], {"start": 0, "end": 1})  # [1]
         self.width = node("Shape", [self.tables], {"start": 1, "end": 2})  # [1] table entries
@@ -248,8 +248,6 @@ class _Body:
         self.nodes: list[ir.Node] = []
 
     def node(self, op_type: str, inputs, attributes=None, domain: str = "", outputs: int = 1):
-        from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
-
         made = ir.node(op_type, list(inputs), dict(attributes or {}), domain=domain, num_outputs=outputs,
                        name=f"{self.prefix}_{op_type}_{len(self.nodes)}")
         made.metadata_props[ORIGIN_KEY] = self.origin
@@ -281,7 +279,7 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
     v3 = as_bsd(build, site.new[1], site.kv_heads, site.head_dim, attention)
     if producer(site.new[0], "RotaryEmbedding") is not None and site.new[0].is_graph_output():
         _output_from(build, site.new[0], k3, site.kv_heads, site.head_dim, attention)
-    flat_chain = _flat_consumer(attention.outputs[0])
+    flat_chain = flat_consumer(attention.outputs[0])
     flat_output = flat_chain[-1].outputs[0] if flat_chain else None
 
     view = _Body(build.origin, f"paged_view_{site.layer}")
@@ -360,21 +358,6 @@ def _output_from(build: Builder, output: ir.Value, flat: ir.Value, heads: int, h
     split = build.node("Reshape", [flat, shape], before=before).outputs[0]
     back = build.node("Transpose", [split], {"perm": [0, 2, 1, 3]}, before=before).outputs[0]
     take_place(output, back, "4d_rotary")
-
-
-def _flat_consumer(value: ir.Value) -> list[ir.Node] | None:
-    """value's only consumer chain Transpose([0,2,1,3]) → Reshape to [B, T, H·D], or None."""
-    uses = value.uses()
-    if len(uses) != 1 or uses[0][0].op_type != "Transpose":
-        return None
-    transpose = uses[0][0]
-    if list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
-        return None
-    after = transpose.outputs[0].uses()
-    if len(after) != 1 or after[0][0].op_type != "Reshape":
-        return None
-    reshaped = after[0][0].outputs[0]
-    return [transpose, after[0][0]] if reshaped.shape is not None and len(reshaped.shape) == 3 else None
 
 
 def _first_use(value: ir.Value) -> ir.Node:
