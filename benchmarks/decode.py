@@ -2,7 +2,11 @@
 
 Measures milliseconds per decoded token at batch 1, greedy, a fixed number of new tokens (default 64) and a fixed
 number of intra-op threads (default 2), on the same prompt token ids for every system. The systems run in
-interleaved rounds (A B C, A B C, ...; each call warms up once before its timed run), --repeats rounds; per
+interleaved rounds (A B C, A B C, ...; each call warms up once before its timed run), --repeats rounds. Each
+round of each fxllm row runs in a fresh process (benchmarks/fxllm_measure.py), as onnxruntime-genai and llama.cpp
+always have: ONNX Runtime sessions loaded side by side slow each other (a paged engine beside a contiguous one
+measured 1.10-1.12x it, ~1.0-1.06x in processes of their own); --in-process loads every fxllm row's engine here
+once instead (faster to run, the protocol of tables before 2026-12-04). Per
 context length, a table shows medians, tokens/s, each row's ms/token relative to the default fxllm row ("vs default": >1 is slower), each system's speedup over transformers measured in this same
 run, and the KV-cache bytes per token of each fxllm artifact. It also says whether every fxllm row's greedy tokens
 are identical to the default row's and to transformers' (they should be, unless a pass changes the model).
@@ -48,6 +52,7 @@ from fxllm.compiler.sources import ModelSource, load_model, resolve_source
 from fxllm.runtime.contract import ModelSpec
 from fxllm.errors import ArtifactError, FxllmError
 from fxllm.runtime.manifest import load_manifest
+from fxllm_measure import engine_for, measure_in_subprocess, timed_run
 
 DEFAULT_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, "
                   "a goldsmith from Mainz,")
@@ -165,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="quantized fxllm rows: int8 matmul activations (MatMulNBits accuracy level 4, what "
                              "onnxruntime-genai's int4 CPU models use: like for like with --ortgenai); default: what "
                              "each artifact recommends (float activations unless compiled with --int8-activations)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="measure the fxllm rows in this process, every row's engine loaded side by side (the "
+                             "protocol before fxllm_measure.py; co-resident sessions slow each other); default: each "
+                             "round of each fxllm row in a fresh process, as the baselines run")
     parser.add_argument("--json", type=Path, help="also write the results here")
     return parser
 
@@ -272,9 +281,11 @@ def check_fits(work: Workload, variants: list[Variant], parser: argparse.Argumen
 
 # --- systems -----------------------------------------------------------------------------------------------------
 
-def repeated(system: str, run_once: Callable[[], Run], repeats: int) -> Measurement:
-    """One warm-up run, then `repeats` timed runs summarized by their medians."""
-    run_once()
+def repeated(system: str, run_once: Callable[[], Run], repeats: int, warm_up: bool = True) -> Measurement:
+    """One warm-up run (unless the runs were warmed up where they ran), then `repeats` timed runs summarized by
+    their medians."""
+    if warm_up:
+        run_once()
     runs = [run_once() for _ in range(repeats)]
     return Measurement(
         system=system,
@@ -285,20 +296,23 @@ def repeated(system: str, run_once: Callable[[], Run], repeats: int) -> Measurem
     )
 
 
-def fxllm_runner(variant: Variant, threads: int, int8_activations: bool | None) -> Runner:
-    """Load the variant's engine once; the runner measures it on any workload."""
-    # Prefix caching off: a paged variant's repeated prompt would otherwise be served from the cache after the warm-up
-    # call, and its prefill not measured (contiguous artifacts ignore the option).
-    engine = fxllm.load(variant.artifact, threads=threads, int8_activations=int8_activations, prefix_caching=False)
-    # With no EOS ids the engine never stops early, so every run decodes exactly new_tokens tokens.
-    engine.eos_token_ids = set()
+def fxllm_runner(variant: Variant, threads: int, int8_activations: bool | None, in_process: bool = False) -> Runner:
+    """Measure the variant's engine: each round in a fresh process, as the baselines are (fxllm_measure.py), or,
+    with `in_process`, one engine loaded here once and measured beside the other rows' engines."""
+    engine = engine_for(variant.artifact, threads, int8_activations) if in_process else None
 
     def measure(work: Workload) -> Measurement:
-        def run_once() -> Run:
-            result = engine.generate_ids([work.prompt_ids], max_new_tokens=work.new_tokens)[0]
-            return Run(result.timings["prefill_ms"], result.timings["decode_ms_per_token"], result.token_ids)
+        if engine is None:
+            runs = iter(measure_in_subprocess(variant.artifact, work.prompt_ids, work.new_tokens, work.repeats,
+                                              threads, int8_activations))
+        else:
+            runs = (timed_run(engine, work.prompt_ids, work.new_tokens) for _ in range(work.repeats + 1))
 
-        measurement = repeated(variant.system, run_once, work.repeats)
+        def run_once() -> Run:
+            result = next(runs)
+            return Run(result["prefill_ms"], result["ms_per_token"], result["token_ids"])
+
+        measurement = repeated(variant.system, run_once, work.repeats, warm_up=engine is not None)
         measurement.kv_bytes_per_token = variant.kv_bytes_per_token
         measurement.model_bytes = sum(f["bytes"] for name, f in variant.manifest["files"].items()
                                       if not name.startswith("tokenizer"))
@@ -503,7 +517,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                  for context in args.contexts]
     for work in workloads:
         check_fits(work, variants, parser)
-    runners = [fxllm_runner(variant, args.threads, True if args.int8_activations else None) for variant in variants]
+    runners = [fxllm_runner(variant, args.threads, True if args.int8_activations else None, args.in_process)
+               for variant in variants]
     runners += [ortgenai_runner(variant, args.ortgenai_python, args.threads) for variant in args.ortgenai]
     runners += [llamacpp_runner(Path(path), args.threads) for path in args.llamacpp]
     if not args.skip_transformers:
