@@ -169,7 +169,6 @@ class _Shared:
             self.gqa_fits = node("Squeeze", [single], name="paged_gqa_fits")
         self.split = node("Concat", [self.slots, self.rows], {"axis": 0})
         heads = site.q_heads
-        self.output_shape = node("Concat", [self.batch, self.tokens, self._int([heads, site.head_dim])], {"axis": 0})
         self.flat_shape = node("Concat", [self.batch, self.tokens, self._int([heads * site.head_dim])], {"axis": 0})
         self.head_shape = self._int([0, 0, heads, site.head_dim])
         self.query_shape = self._int([-1, site.kv_heads, heads // site.kv_heads, site.head_dim])
@@ -256,6 +255,10 @@ class _Body:
         self.nodes.append(made)
         return made.outputs[0] if outputs == 1 else made.outputs
 
+    def heads(self, value: ir.Value, head_shape: ir.Value) -> ir.Value:
+        """[B, T, H·D] → [B, H, T, D] (head_shape: [0, 0, H, D])."""
+        return self.node("Transpose", [self.node("Reshape", [value, head_shape])], {"perm": [0, 2, 1, 3]})
+
     def constant(self, array: np.ndarray) -> ir.Value:
         return self.node("Constant", [], {"value": ir.tensor(array)})
 
@@ -298,13 +301,13 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
     out = n("Add", [fused(pool_probs, pool_v, transBatchB=1), fused(new_probs, v, transBatchB=1)])  # [Hkv,G,BT,D]
     out = n("Reshape", [n("Transpose", [out], {"perm": [2, 0, 1, 3]}), shared.flat_shape])  # [B, T, Hq·D]
     if flat_output is None:
-        out = n("Transpose", [n("Reshape", [out, shared.output_shape])], {"perm": [0, 2, 1, 3]})  # [B, Hq, T, D]
+        out = view.heads(out, shared.head_shape)  # [B, Hq, T, D]
     then_branch = view.graph(f"paged_view_attention_{site.layer}", [out])
 
     key_gather, value_gather, key_concat, value_concat = site.gathered
     build.graph.remove([key_gather, value_gather, key_concat, value_concat, attention])
     standard = _Body(build.origin, f"paged_gathered_attention_{site.layer}")  # Concat + Attention, moved
-    q4 = standard.node("Transpose", [standard.node("Reshape", [q3, shared.head_shape])], {"perm": [0, 2, 1, 3]})
+    q4 = standard.heads(q3, shared.head_shape)
     result = standard.node(attention.op_type, [q4, *attention.inputs[1:]],
                            {name: a.value for name, a in attention.attributes.items()}, domain=attention.domain,
                            outputs=len(attention.outputs))
@@ -329,7 +332,7 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
                                                  shared.seqlens, shared.total], attributes,
                          domain=MS_DOMAIN, outputs=3)[0]  # [B, T, Hq·D]
         if flat_output is None:
-            out = fused.node("Transpose", [fused.node("Reshape", [out, shared.head_shape])], {"perm": [0, 2, 1, 3]})
+            out = fused.heads(out, shared.head_shape)
         outer = _Body(build.origin, f"paged_gathered_{site.layer}")
         choice = outer.node("If", [shared.gqa_fits],
                             {"then_branch": fused.graph(f"paged_gqa_{site.layer}", [out]),
