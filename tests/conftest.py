@@ -157,6 +157,9 @@ def make_torch_artifact(tmp_path_factory, make_tiny_model):
 SMOLLM2_FIXTURES = {"smollm2_artifact", "smollm2_model"}
 
 
+# tryfirst: pytest-xdist's worker reads the xdist_group marks in its own pytest_collection_modifyitems, which (a
+# plugin registered after this conftest) would otherwise run first and see none of the marks added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group"):
