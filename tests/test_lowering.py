@@ -54,3 +54,34 @@ def test_onnx_runtime_matches_torch_reference(make_tiny_artifact, make_tiny_mode
     with torch.no_grad():
         expected = model(torch.from_numpy(ids)).logits.numpy()
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_type_promotion_is_skipped_only_where_the_exporter_would_insert_nothing(make_tiny_model):
+    """Lowering skips torch.onnx's type-promotion pass when `needs_type_promotion` says it would change nothing;
+    that answer is checked against the pass itself: the tiny llama through the default pipeline (nothing to cast)
+    and a graph that adds an int64 tensor to a float one (a cast)."""
+    import torch
+    from torch.onnx._internal.exporter import _fx_passes
+
+    from fxllm.compiler.capture import capture
+    from fxllm.compiler.pass_manager import run_pipeline
+    from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
+    from fxllm.compiler.sources import load_model, resolve_source
+    from fxllm.compiler.targets.onnx_export import export_program
+    from fxllm.compiler.targets.torch_onnx import needs_type_promotion, prepare_for_onnx
+
+    class Mixed(torch.nn.Module):
+        def forward(self, x, counts):
+            return x * 2 + counts
+
+    program = capture(load_model(resolve_source(make_tiny_model("llama")))).program
+    program, _ = run_pipeline(program, build_pipeline(parse_pipeline(
+        "cleanup,gqa,fuse-projections,quantize:method=int4-rtn,select-logits,kv-cache,paged:block_size=4")))
+    mixed = torch.export.export(Mixed(), (torch.ones(2, 3), torch.arange(3)))
+    for exported, expected in ((export_program(program), False), (mixed, True)):
+        module = exported.graph_module
+        prepare_for_onnx(module)
+        before = [(n.op, n.target, n.args) for n in module.graph.nodes]
+        assert needs_type_promotion(module) is expected
+        _fx_passes.insert_type_promotion_nodes(module)
+        assert (before != [(n.op, n.target, n.args) for n in module.graph.nodes]) is expected

@@ -15,12 +15,12 @@ import onnx_ir as ir
 import torch
 
 from fxllm.compiler.interface import make_input, sample_dims
-from fxllm.compiler.targets.onnx_translations import TRANSLATIONS
 from fxllm.compiler.targets.ort import LegalizationContext
 from fxllm.compiler.targets.ort import legalize as ort_legalize
 from fxllm.compiler.program import Program
 from fxllm.compiler.quant.numerics import HALF_SUFFIX
 from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
+from fxllm.compiler.targets.torch_onnx import export_to_onnx
 from fxllm.errors import UnsupportedModelError
 from fxllm.runtime.contract import CONTRACT_METADATA_KEY, TensorSig, contract_digest
 
@@ -62,18 +62,10 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
     with timer("re-export"):
         exported = export_program(program)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with timer("onnx export"), warnings.catch_warnings(), _no_redundant_decomposition():
+    with timer("onnx export"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        onnx_program = torch.onnx.export(
-            exported,
-            dynamo=True,
-            opset_version=OPSET,
-            custom_translation_table=TRANSLATIONS,
-            input_names=[sig.name for sig in program.inputs],
-            output_names=[sig.name for sig in program.outputs],
-            optimize=False,  # its optimizer's general rewrite rules cost ~90% of the export; see optimize_graph
-            verbose=False,
-        )
+        onnx_program = export_to_onnx(exported, OPSET, [sig.name for sig in program.inputs],
+                                      [sig.name for sig in program.outputs])
     with timer("optimize"):
         optimize_graph(onnx_program.model)
     path = Path(path)
@@ -122,43 +114,6 @@ def optimize_graph(model: ir.Model) -> None:
         step(model)
     onnxscript.rewriter.onnx_fusions.fuse(model)
     common.RemoveUnusedNodesPass()(model)
-
-
-@contextlib.contextmanager
-def _no_redundant_decomposition():
-    """torch.onnx.export re-traces the whole program (with symbolic shapes: about 40% of lowering) to decompose
-    the ops that have no ONNX translation. The passes' graphs need that only for `aten.to.dtype` and the
-    `_assert_tensor_metadata` checks, which `_prepare_for_onnx` rewrites in place beforehand; when nothing else
-    needs decomposing, the re-trace is skipped (any other op takes torch's own path, unchanged)."""
-    from torch.onnx._internal.exporter import _decomp, _fx_passes
-
-    original = _fx_passes.decompose_with_registry
-
-    def decompose(exported_program, registry):
-        registered = set(_decomp.get_onnx_implemented_overloads(registry))
-        _prepare_for_onnx(exported_program.graph_module)
-        if all(node.target in registered for node in exported_program.graph.nodes
-               if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)):
-            return exported_program
-        return original(exported_program, registry)
-
-    _fx_passes.decompose_with_registry = decompose
-    try:
-        yield
-    finally:
-        _fx_passes.decompose_with_registry = original
-
-
-def _prepare_for_onnx(graph_module: torch.fx.GraphModule) -> None:
-    """Drop `_assert_tensor_metadata` checks and spell `x.to(dtype)` as `_to_copy`, which ONNX translates."""
-    aten = torch.ops.aten
-    for node in list(graph_module.graph.nodes):
-        if node.target is aten._assert_tensor_metadata.default and not node.users:
-            graph_module.graph.erase_node(node)
-        elif node.target is aten.to.dtype:
-            node.target = aten._to_copy.default
-            node.args, node.kwargs = (node.args[0],), {"dtype": node.args[1]}
-    graph_module.recompile()
 
 
 class _Timer:
