@@ -70,10 +70,11 @@ def test_a_small_kv_budget_preempts_without_changing_outputs(paged_artifact, con
     assert [r.token_ids for r in results] == contiguous_tokens
 
 
-def test_without_gqa(make_tiny_model, make_tiny_artifact, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])  # gpt2: LayerNorm, so contrib ops only inside the Ifs
+def test_without_gqa(arch, make_tiny_model, make_tiny_artifact, tmp_path):
     output = tmp_path / "paged-no-gqa"
-    fxllm.compile(make_tiny_model("qwen2"), output, passes="cleanup,kv-cache,paged:block_size=8")
-    reference = fxllm.load(make_tiny_artifact("qwen2"))
+    fxllm.compile(make_tiny_model(arch), output, passes="cleanup,kv-cache,paged:block_size=8")
+    reference = fxllm.load(make_tiny_artifact(arch))
     expected = [reference.generate(p, max_new_tokens=12).token_ids for p in PROMPTS]
     assert [r.token_ids for r in fxllm.load(output).generate(PROMPTS, max_new_tokens=12)] == expected
 

@@ -69,7 +69,7 @@ def legalize(model: ir.Model, context: LegalizationContext, seconds: dict[str, f
         remove_unused(model)
         if seconds is not None:
             seconds[f"ort/{step.name}"] = time.perf_counter() - start
-    if any(node.domain == MS_DOMAIN for node in model.graph):
+    if any(node.domain == MS_DOMAIN for node in model.graph.all_nodes()):  # also inside the paged form's Ifs
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     TopologicalSortPass()(model)
     return context
