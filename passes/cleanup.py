@@ -1,7 +1,9 @@
-"""Pass `cleanup`: drop export's runtime asserts and shape guards, identity casts and dead code.
+"""Pass `cleanup`: drop export's runtime asserts and shape guards, identity casts and dead code; spell a Conv1D
+projection (GPT-2's addmm with a constant [in, out] weight) as the linear every later pass recognizes.
 
-before: `_assert_tensor_metadata` / `_guards_fn(...)` / `to(x, same dtype)` / unused mask bookkeeping
-→ after: only ops that compute (lowering re-exports, which derives its own guards).
+before: `_assert_tensor_metadata` / `_guards_fn(...)` / `to(x, same dtype)` / unused mask bookkeeping /
+        addmm(b, x, W)
+→ after: only ops that compute (lowering re-exports, which derives its own guards); linear(x, Wᵀ, b).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.program import Program
+from fxllm.compiler.projections import constant, drop_unused_attributes
 
 aten = torch.ops.aten
 ASSERT_OPS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
@@ -46,4 +49,25 @@ def cleanup(program: Program) -> Program:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     graph.eliminate_dead_code()
+    _linears_from_addmm(program)
     return program
+
+
+def _linears_from_addmm(program: Program) -> None:
+    """addmm(b, x, W) with constant W [in, out] and b [out] (Conv1D) → linear(x, Wᵀ, b): the same product, in the
+    form quantize, fuse-projections and the lowerings look for (GPT-2 was otherwise left unquantized). Wᵀ is stored
+    contiguous and replaces W."""
+    graph = program.graph
+    for index, node in enumerate([n for n in graph.nodes if n.target is aten.addmm.default and not n.kwargs]):
+        bias, x, weight_node = node.args
+        weight, bias_value = constant(program, weight_node), constant(program, bias)
+        if weight is None or weight.dim() != 2 or bias_value is None or bias_value.shape != weight.shape[1:]:
+            continue
+        name = f"linear_from_addmm_{index}_weight"
+        program.graph_module.register_buffer(name, weight.detach().t().contiguous())
+        with graph.inserting_before(node):
+            linear = graph.call_function(aten.linear.default, (x, graph.get_attr(name), bias))
+        linear.meta.update({key: value for key, value in node.meta.items() if key != "val"})
+        node.replace_all_uses_with(linear)
+        graph.erase_node(node)
+    drop_unused_attributes(program)

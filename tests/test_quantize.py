@@ -219,6 +219,18 @@ def test_quantized_artifact_form_and_generation(method, bits, make_tiny_model, c
     assert all(len(r.token_ids) == 8 for r in results)
 
 
+def test_conv1d_projections_are_quantized(make_tiny_model, tmp_path):
+    """GPT-2's Conv1D projections (addmm with an [in, out] weight) become linears in cleanup, at float rounding
+    distance, so int8 quantizes all four per layer instead of failing to find any."""
+    report = fxllm.compile(make_tiny_model("gpt2"), tmp_path / "int8", quant="int8")
+    cleanup, quantize = (next(r for r in report.records if r.name == name) for name in ("cleanup", "quantize"))
+    assert cleanup.drift.max_abs_logit < 1e-4 and cleanup.drift.greedy_agreement == 1.0
+    assert len(quantize.diagnostics["layers"]) == 4 * 2
+    model = onnx.load(str(tmp_path / "int8" / "model.onnx"), load_external_data=False)
+    assert sum(n.op_type == "MatMulNBits" or n.op_type == "DequantizeLinear" for n in model.graph.node) == 4 * 2
+    assert len(fxllm.load(tmp_path / "int8").generate("The quick brown fox", max_new_tokens=8).token_ids) == 8
+
+
 @pytest.mark.parametrize("method,lm_head,embedding", [("int4-gptq", "int8", "int4"), ("int4-awq", "float", "int8")])
 def test_calibrated_methods_compile_with_per_layer_errors(method, lm_head, embedding, make_tiny_model,
                                                           calibration_file, tmp_path):
