@@ -120,7 +120,8 @@ def needs_type_promotion(graph_module: torch.fx.GraphModule) -> bool:
         if not isinstance(module, torch.fx.GraphModule):
             return True
         for node in module.graph.nodes:
-            if node.op != "call_function" or type_promotion.get_type_promotion_rule(node, table) is None:
+            rule = type_promotion.get_type_promotion_rule(node, table) if node.op == "call_function" else None
+            if rule is None:
                 continue
             missing = []
 
@@ -134,7 +135,6 @@ def needs_type_promotion(graph_module: torch.fx.GraphModule) -> bool:
             if missing:
                 return True
             try:
-                rule = type_promotion.get_type_promotion_rule(node, table)
                 snapshot = rule.preview_type_promotion(args, kwargs)
             except Exception:  # the pass would meet the same problem; let it report it
                 return True
