@@ -58,6 +58,7 @@ def _linears_from_addmm(program: Program) -> None:
     form quantize, fuse-projections and the lowerings look for (GPT-2 was otherwise left unquantized). Wᵀ is stored
     contiguous and replaces W."""
     graph = program.graph
+    converted = 0
     for index, node in enumerate([n for n in graph.nodes if n.target is aten.addmm.default and not n.kwargs]):
         bias, x, weight_node = node.args
         weight, bias_value = constant(program, weight_node), constant(program, bias)
@@ -70,4 +71,6 @@ def _linears_from_addmm(program: Program) -> None:
         linear.meta.update({key: value for key, value in node.meta.items() if key != "val"})
         node.replace_all_uses_with(linear)
         graph.erase_node(node)
-    drop_unused_attributes(program)
+        converted += 1
+    if converted:
+        drop_unused_attributes(program)

@@ -227,7 +227,7 @@ def test_conv1d_projections_are_quantized(make_tiny_model, tmp_path):
     assert cleanup.drift.max_abs_logit < 1e-4 and cleanup.drift.greedy_agreement == 1.0
     assert len(quantize.diagnostics["layers"]) == 4 * 2
     model = onnx.load(str(tmp_path / "int8" / "model.onnx"), load_external_data=False)
-    assert sum(n.op_type == "MatMulNBits" or n.op_type == "DequantizeLinear" for n in model.graph.node) == 4 * 2
+    assert sum(n.op_type in ("MatMulNBits", "DequantizeLinear") for n in model.graph.node) == 4 * 2
     assert len(fxllm.load(tmp_path / "int8").generate("The quick brown fox", max_new_tokens=8).token_ids) == 8
 
 

@@ -4,7 +4,7 @@ passes' graphs. For a tiny two-layer model these three steps were ~6 of a compil
 
 - the torchlib registry (plus our translations) is built once per process, not once per export: building it
   parses the source of ~500 onnxscript functions (~2 s);
-- the decomposition re-trace is skipped when every op already has a translation (`_decompose`);
+- the decomposition re-trace is skipped when every op already has a translation (`_shortcuts`' `decompose`);
 - the type-promotion pass (a symbolic fake-tensor run of the whole graph, ~2 s for the tiny model, longer for a
   real one) is skipped when no node would get a cast: `needs_type_promotion` decides that from the node.meta['val']
   the export recorded, by the pass's own rules.
