@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
-from fxllm.compiler.gguf_cache import shared_gguf_readers
+from fxllm.compiler.gguf_cache import sharing_gguf_readers
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
 from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tokenizer, check_same_vocab,
                                   parse_draft, truncate_layers)
@@ -40,17 +39,7 @@ class CompileReport:
         return sum(self.seconds.values())
 
 
-def _sharing_gguf_readers(function):
-    """Run a compile with one parse of each GGUF file it reads (compiler/gguf_cache.py)."""
-    @functools.wraps(function)
-    def run(*args, **kwargs):
-        with shared_gguf_readers():
-            return function(*args, **kwargs)
-
-    return run
-
-
-@_sharing_gguf_readers
+@sharing_gguf_readers  # one parse of each GGUF file the compile reads (compiler/gguf_cache.py)
 def compile_model(
     model: str | os.PathLike,
     output: str | os.PathLike,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fxllm.compiler.gguf_cache import sharing_gguf_readers
 from fxllm.compiler.model_features import check_capabilities
 from fxllm.errors import ModelSourceError
 
@@ -109,6 +110,7 @@ def check_supported(source: ModelSource) -> None:
     check_capabilities(config, architecture)
 
 
+@sharing_gguf_readers
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
@@ -118,6 +120,7 @@ def load_tokenizer(source: ModelSource):
         raise ModelSourceError(f"cannot load a tokenizer from '{source.directory}': {exc}") from exc
 
 
+@sharing_gguf_readers
 def load_model(source: ModelSource, attn_implementation: str | None = None):
     """Load the float model in eval mode; GGUF weights are dequantized to float32 by transformers. The attention
     implementation defaults to `sdpa` where the model has it, else `eager`; capture replaces it."""
