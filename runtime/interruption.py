@@ -19,17 +19,17 @@ class _Guard:
     """The state of the active interruptible block: the handler raises once; while held back it only records."""
 
     def __init__(self) -> None:
-        self.fired = False
+        self.fired: int | None = None  # the signal raised as Interrupted, once one was
         self.holding = False
         self.pending: int | None = None
 
     def handle(self, signum: int, frame) -> None:
-        if self.fired:
+        if self.fired is not None:
             return  # the first signal's exception is unwinding: let its cleanup finish
         if self.holding:
             self.pending = self.pending or signum
             return
-        self.fired = True
+        self.fired = signum
         raise Interrupted(signum)
 
 
@@ -41,7 +41,12 @@ def interruptible() -> Iterator[None]:
     """While the block runs, the first of SIGINT/SIGTERM/SIGHUP raises Interrupted(signum) in it; later ones are
     ignored so that the cleanup the exception triggers can finish. The previous handlers come back on exit. Signals
     the process ignores (e.g. SIGHUP under nohup) stay ignored. Only the main thread can take signals in Python;
-    elsewhere, and inside an enclosing interruptible block, this does nothing."""
+    elsewhere, and inside an enclosing interruptible block, this does nothing.
+
+    An Interrupted raised inside a library's bookkeeping can make that library's own cleanup fail on the way out
+    (torch's dispatch-mode stack: "AssertionError: Trying to pop empty mode stack" replaced SIGTERM's Interrupted
+    mid-lowering), so whatever leaves the block after a signal fired leaves it as Interrupted(that signal), chained
+    to what replaced it."""
     global _guard
     if _guard is not None or threading.current_thread() is not threading.main_thread():
         yield
@@ -54,7 +59,12 @@ def interruptible() -> Iterator[None]:
             handler = signal.getsignal(number)
             if handler is not None and handler is not signal.SIG_IGN:  # None: set outside Python, not restorable
                 previous[number] = signal.signal(number, guard.handle)
-        yield
+        try:
+            yield
+        except BaseException as exc:
+            if guard.fired is None or isinstance(exc, Interrupted):
+                raise
+            raise Interrupted(guard.fired) from exc
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
@@ -74,6 +84,6 @@ def held_back() -> Iterator[None]:
         yield
     finally:
         guard.holding = False
-    if guard.pending is not None and not guard.fired:
-        guard.fired = True
+    if guard.pending is not None and guard.fired is None:
+        guard.fired = guard.pending
         raise Interrupted(guard.pending)

@@ -315,3 +315,27 @@ def test_a_signal_during_held_back_steps_is_raised_right_after_them():
                 steps.append("held back")
             steps.append("after")  # not reached
     assert steps == ["held back"] and caught.value.signum == signal.SIGTERM
+
+
+def test_a_cleanup_that_fails_because_of_the_signal_still_ends_as_the_interruption(tmp_path):
+    """A signal that lands inside a library's bookkeeping can break that library's own cleanup on the way out
+    (torch's mode stack: "Trying to pop empty mode stack" replaced SIGTERM mid-lowering, and the CLI reported an
+    internal error, exit 2). What leaves the block is still Interrupted(SIGTERM), chained to that error, and the
+    staging directory is gone."""
+    from fxllm.errors import Interrupted
+    from fxllm.runtime.artifact import staging_directory
+
+    output = tmp_path / "artifact"
+    with pytest.raises(Interrupted) as caught:
+        with staging_directory(output) as stage:
+            (stage / "model.onnx").write_bytes(b"partial")
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises at the next bytecode; never reached
+            finally:
+                raise AssertionError("Trying to pop empty mode stack")  # the library's cleanup, broken by it
+    assert caught.value.signum == signal.SIGTERM and isinstance(caught.value.__cause__, AssertionError)
+    assert hidden_entries(tmp_path) == [] and not output.exists()
+    with pytest.raises(ValueError):  # without a signal, errors pass through unchanged
+        with staging_directory(output):
+            raise ValueError("not an interruption")
