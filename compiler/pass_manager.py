@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxllm.compiler.drift import Drift, compare_logits, drift_sample
+from fxllm.compiler.drift import Drift, Logits, compare_logits, drift_sample
 from fxllm.compiler.dump import DumpWriter, op_histogram
 from fxllm.compiler.interface import run_sequence
 from fxllm.compiler.lint import LintError, lint
@@ -51,7 +51,7 @@ def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | No
     sample = drift_sample(program.spec.vocab_size)
     lint(program)
     stamp_origin(program, "capture")
-    reference = run_sequence(program, sample)
+    reference = Logits.of(run_sequence(program, sample))
     previous = reference
     dumps = DumpWriter(dump_dir) if dump_dir else None
     if dumps:
@@ -78,7 +78,7 @@ def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | No
         program.facts |= step.info.provides
         program.applied.append(AppliedPass(step.name, step.options))
         with torch.no_grad():
-            logits = run_sequence(program, sample)
+            logits = Logits.of(run_sequence(program, sample))
         drift = compare_logits(reference, logits)
         step_drift = compare_logits(previous, logits)  # this pass alone, not what earlier passes changed
         previous = logits
