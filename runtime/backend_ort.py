@@ -19,6 +19,16 @@ def default_providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
 
 
+def default_threads() -> int:
+    """Intra-op threads when none are given: OMP_NUM_THREADS where it is a positive integer (torch's and
+    CTranslate2's convention, so one setting bounds every library in the process — e.g. one thread per process when
+    several share a machine), else every CPU."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and 0 < int(value) <= 1024:
+        return int(value)
+    return os.cpu_count() or 1
+
+
 class OrtBackend:
     """The Backend protocol (runtime/backend.py) over one ONNX Runtime InferenceSession."""
 
@@ -31,7 +41,7 @@ class OrtBackend:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or os.cpu_count() or 1
+        options.intra_op_num_threads = threads or default_threads()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
         if not spin:

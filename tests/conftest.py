@@ -7,7 +7,16 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# pytest-xdist workers share the machine's cores: each worker's libraries — torch, ONNX Runtime through fxllm's
+# default thread count (runtime/backend_ort.default_threads), and the CLI, server and Ray processes a test starts,
+# which inherit it — get an equal share instead of all cores each, so idle threads do not spin against the other
+# worker's (set before torch is imported: torch reads it once).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import torch  # noqa: E402
 
 os.environ.setdefault("FXLLM_QUIET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

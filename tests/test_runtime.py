@@ -110,3 +110,23 @@ def test_rows_leaving_the_batch_do_not_change_the_others(engine):
     both = engine.generate_ids([long_prompt, short_prompt], max_new_tokens=12)
     assert both[0].finish_reason == "context" and len(both[0].token_ids) == 4
     assert both[1].token_ids == engine.generate_ids([short_prompt], max_new_tokens=12)[0].token_ids
+
+
+def test_default_threads_follow_omp_num_threads(make_tiny_artifact, monkeypatch):
+    """Without `threads`, ONNX Runtime gets OMP_NUM_THREADS where it is a positive integer, else every CPU; an
+    explicit `threads` wins."""
+    import os
+
+    from fxllm.runtime.backend_ort import default_threads
+
+    def session_threads(**options) -> int:
+        return fxllm.load(make_tiny_artifact("llama"), **options).backend.session.get_session_options() \
+            .intra_op_num_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() == 3 and session_threads() == 3 and session_threads(threads=2) == 2
+    for unusable in ("0", "two", "", "-1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unusable)
+        assert default_threads() == (os.cpu_count() or 1)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert session_threads() == (os.cpu_count() or 1)
