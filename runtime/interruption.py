@@ -62,7 +62,7 @@ def interruptible() -> Iterator[None]:
         try:
             yield
         except BaseException as exc:
-            if guard.fired is None or isinstance(exc, Interrupted):
+            if guard.fired is None or isinstance(exc, (Interrupted, GeneratorExit)):
                 raise
             raise Interrupted(guard.fired) from exc
     finally:
