@@ -42,9 +42,7 @@ class Logits:
         return cls(values, log_probs, log_probs.exp(), values.argmax(-1))
 
 
-def compare_logits(reference: torch.Tensor | Logits, logits: torch.Tensor | Logits) -> Drift:
-    reference = reference if isinstance(reference, Logits) else Logits.of(reference)
-    logits = logits if isinstance(logits, Logits) else Logits.of(logits)
+def compare_logits(reference: Logits, logits: Logits) -> Drift:
     kl = (reference.probs * (reference.log_probs - logits.log_probs)).sum(-1).mean()
     agree = (reference.greedy == logits.greedy).double().mean()
     return Drift(float((reference.values - logits.values).abs().max()), float(kl.clamp_min(0)), float(agree))

@@ -10,6 +10,7 @@ import numpy as np
 
 from fxllm.errors import ArtifactError
 from fxllm.runtime.backend import StepFeeds
+from fxllm.runtime.request_validation import MAX_THREADS
 
 
 def default_providers() -> list[str]:
@@ -24,7 +25,7 @@ def default_threads() -> int:
     CTranslate2's convention, so one setting bounds every library in the process — e.g. one thread per process when
     several share a machine), else every CPU."""
     value = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if value.isdigit() and 0 < int(value) <= 1024:
+    if value.isdigit() and 0 < int(value) <= MAX_THREADS:
         return int(value)
     return os.cpu_count() or 1
 
