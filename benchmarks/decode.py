@@ -52,6 +52,7 @@ from fxllm.compiler.sources import ModelSource, load_model, resolve_source
 from fxllm.runtime.contract import ModelSpec
 from fxllm.errors import ArtifactError, FxllmError
 from fxllm.runtime.manifest import load_manifest
+from bandwidth import read_bandwidth
 from fxllm_measure import engine_for, measure_in_subprocess, timed_run
 
 DEFAULT_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, "
@@ -102,6 +103,13 @@ class Measurement:
     @property
     def tokens_per_s(self) -> float:
         return 1e3 / self.ms_per_token
+
+    @property
+    def model_bytes_per_s(self) -> float | None:
+        """The model's bytes on disk per decode step's time: the weight-read rate if every step reads every weight
+        once as stored (compare with the machine's read bandwidth; a quantized fxllm artifact run with float
+        activations is dequantized at load and reads more than its file)."""
+        return self.model_bytes / self.ms_per_token * 1e3 if self.model_bytes else None
 
 
 Runner = Callable[[Workload], Measurement]
@@ -436,7 +444,7 @@ def format_ratio(value: float | None) -> str:
 
 def format_table(measurements: list[Measurement]) -> str:
     header = ["system", "ms/token", "prefill ms", "tokens/s", "vs default", "speedup vs transformers",
-              "KV cache bytes/token", "model MB"]
+              "KV cache bytes/token", "model MB", "model GB/s"]
     default, baseline = find(measurements, DEFAULT_SYSTEM), find(measurements, BASELINE)
     genai = ortgenai_reference(measurements)
     if genai:
@@ -446,7 +454,8 @@ def format_table(measurements: list[Measurement]) -> str:
         row = [m.system, f"{m.ms_per_token:.1f}", f"{m.prefill_ms:.1f}", f"{m.tokens_per_s:.1f}",
                format_ratio(ms_ratio(m, default)), format_ratio(ms_ratio(baseline, m)),
                f"{m.kv_bytes_per_token:,}" if m.kv_bytes_per_token else "n/a",
-               f"{m.model_bytes / 1e6:.0f}" if m.model_bytes else "n/a"]
+               f"{m.model_bytes / 1e6:.0f}" if m.model_bytes else "n/a",
+               f"{m.model_bytes_per_s / 1e9:.1f}" if m.model_bytes_per_s else "n/a"]
         if genai:
             row.insert(5, format_ratio(ms_ratio(m, genai)))
         rows.append(row)
@@ -468,7 +477,7 @@ def context_results(context: int | None, work: Workload, measurements: list[Meas
         "context": context,
         "prompt_tokens": len(work.prompt_ids),
         "measurements": [
-            {**asdict(m), "tokens_per_s": m.tokens_per_s, "vs_default": ms_ratio(m, default),
+            {**asdict(m), "tokens_per_s": m.tokens_per_s, "model_bytes_per_s": m.model_bytes_per_s, "vs_default": ms_ratio(m, default),
              "vs_ortgenai": ms_ratio(m, ortgenai_reference(measurements)),
              "speedup_vs_transformers": ms_ratio(baseline, m), "greedy": verdicts.get(m.system, {})}
             for m in measurements
@@ -527,7 +536,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     print(f"model {source.name} | {args.new_tokens} new tokens | {args.threads} threads | batch 1, greedy | "
           f"median of {args.repeats} | {env['cpus']} CPUs ({env['machine']}) | torch {env['torch']} | "
           f"onnxruntime {env['onnxruntime']} | transformers {env['transformers']}", flush=True)
+    bandwidth = [read_bandwidth(args.threads)]
+    print(f"memory read bandwidth ({args.threads} threads, benchmarks/bandwidth.py): {bandwidth[0]:.1f} GB/s",
+          flush=True)
     results = [measure_context(context, work, runners) for context, work in zip(args.contexts, workloads)]
+    bandwidth.append(read_bandwidth(args.threads))
+    print(f"\nmemory read bandwidth at the end: {bandwidth[1]:.1f} GB/s (start {bandwidth[0]:.1f}); 'model GB/s' is "
+          "model MB ÷ ms/token")
+    env["read_bandwidth_gb_s"] = {"start": round(bandwidth[0], 2), "end": round(bandwidth[1], 2)}
     if args.json:
         config = {"model": args.model, "artifacts": {v.system: str(v.artifact) for v in variants},
                   "passes": {v.system: [p["name"] for p in v.manifest["passes"]] for v in variants},

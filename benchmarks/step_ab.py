@@ -26,9 +26,10 @@ from decode import script_main
 from fxllm_measure import engine_for
 
 
-def recorded_call(artifact: Path, context: int, call: str, threads: int) -> tuple[Any, Any]:
+def recorded_call(artifact: Path, context: int, call: str, threads: int,
+                  int8_activations: bool | None = None) -> tuple[Any, Any]:
     """(backend, feeds) of the artifact's prefill or last decode call after a --context-token prompt."""
-    engine = engine_for(artifact, threads, None)
+    engine = engine_for(artifact, threads, int8_activations)
     backend = engine.backend
     calls: list[Any] = []
     run = backend.run
@@ -46,7 +47,8 @@ def recorded_call(artifact: Path, context: int, call: str, threads: int) -> tupl
 def main_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.rounds < 1 or args.calls < 1 or args.context < 1:
         parser.error("--rounds, --calls and --context must be at least 1")
-    calls = [recorded_call(artifact, args.context, args.call, args.threads) for artifact in args.artifacts]
+    calls = [recorded_call(artifact, args.context, args.call, args.threads, args.int8_activations)
+             for artifact in args.artifacts]
     for backend, feeds in calls:  # warm-up
         for _ in range(3):
             backend.run(feeds)
@@ -75,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=10, help="calls per artifact per round")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--int8-activations", action="store_true", default=None,
+                        help="quantized artifacts: int8 matmul activations (default: what each artifact recommends)")
     return parser
 
 
