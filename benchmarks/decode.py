@@ -107,8 +107,9 @@ class Measurement:
     @property
     def model_bytes_per_s(self) -> float | None:
         """The model's bytes on disk per decode step's time: the weight-read rate if every step reads every weight
-        once as stored (compare with the machine's read bandwidth; a quantized fxllm artifact run with float
-        activations is dequantized at load and reads more than its file)."""
+        once as stored (compare with the machine's read bandwidth). It overstates where an untied embedding table is
+        part of the file (read one row a token) and understates for a quantized fxllm artifact run with float
+        activations (dequantized at load, it reads more than its file)."""
         return self.model_bytes / self.ms_per_token * 1e3 if self.model_bytes else None
 
 
