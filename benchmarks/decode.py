@@ -478,8 +478,8 @@ def context_results(context: int | None, work: Workload, measurements: list[Meas
         "context": context,
         "prompt_tokens": len(work.prompt_ids),
         "measurements": [
-            {**asdict(m), "tokens_per_s": m.tokens_per_s, "model_bytes_per_s": m.model_bytes_per_s, "vs_default": ms_ratio(m, default),
-             "vs_ortgenai": ms_ratio(m, ortgenai_reference(measurements)),
+            {**asdict(m), "tokens_per_s": m.tokens_per_s, "model_bytes_per_s": m.model_bytes_per_s,
+             "vs_default": ms_ratio(m, default), "vs_ortgenai": ms_ratio(m, ortgenai_reference(measurements)),
              "speedup_vs_transformers": ms_ratio(baseline, m), "greedy": verdicts.get(m.system, {})}
             for m in measurements
         ],
