@@ -81,6 +81,7 @@ class ModelRunner:
     # -- contiguous batches -----------------------------------------------------------------------------------------
 
     def _prefill_contiguous(self, batch: ScheduledBatch) -> RunnerOutput:
+        finished = self._cache  # the previous batch's cache: only this runner holds it
         self.reset()
         rows = batch.token_ids
         width = max(len(ids) for ids in rows)
@@ -90,12 +91,16 @@ class ModelRunner:
             input_ids[row, width - len(ids):] = ids
             mask[row, width - len(ids):] = 1
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-        cache = self.new_cache(len(rows))
-        if isinstance(cache, SharedKVCache):
+        if self.io.shared_buffer:
             # room for the generation too (no buffer move mid-way), up to the room doubling would give: memory
             # stays within 2x the prompt (or its minimum capacity) whatever max_tokens says
             extra = min(max(r.params.max_tokens for r in batch.requests), max(width, SharedKVCache.MIN_CAPACITY))
-            cache.grow_to(min(width + extra, self.spec.max_positions))
+            capacity = min(width + extra, self.spec.max_positions)
+            reused = finished.recycled(len(rows), capacity) if isinstance(finished, SharedKVCache) else None
+            cache = reused or self.new_cache(len(rows))
+            cache.grow_to(capacity)
+        else:
+            cache = self.new_cache(len(rows))
         logits = self._run_contiguous(input_ids, positions, mask, cache, batch.prompt_logits)
         self._rows, self._cache, self._mask = list(batch.requests), cache, mask
         all_logits = [logits[row, width - len(ids):] for row, ids in enumerate(rows)] if batch.prompt_logits \

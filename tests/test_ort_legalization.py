@@ -218,7 +218,37 @@ def test_a_prefill_sizes_the_shared_buffer_for_its_generation(make_tiny_artifact
     assert moves == [0] and short == want[: len(prompt)]  # sized once, before the prompt's rows were written
     moves.clear()
     assert engine.generate_ids([prompt], max_new_tokens=2 * len(prompt))[0].token_ids == want
-    assert moves[0] == 0 and len(moves) == 2  # room for one prompt's length of tokens, then one doubling
+    # the short generation's buffers are reused (room for one prompt's length of tokens), then one doubling
+    assert len(moves) == 1 and moves[0] > len(prompt)
+
+
+def test_a_finished_generation_leaves_its_shared_buffers_to_the_next(make_tiny_artifact, monkeypatch):
+    """The next prefill of the same batch size writes into the previous generation's buffers (zeroed, still bound:
+    no fresh allocation) and generates what a fresh engine does; another batch size gets buffers of its own, and a
+    long generation's buffers are not kept for a short one."""
+    artifact = make_tiny_artifact("llama")
+    fresh, engine = fxllm.load(artifact), fxllm.load(artifact)
+    for e in (fresh, engine):
+        e.eos_token_ids = set()
+    prompts = [engine.encode(text) for text in PROMPTS[:2]]
+    runner = engine.runner
+
+    def buffers() -> list[int]:
+        return [a.ctypes.data for a in runner._cache.keys + runner._cache.values]
+
+    engine.generate_ids([prompts[0]], max_new_tokens=8)
+    first = buffers()
+    assert engine.generate_ids([prompts[1]], max_new_tokens=8)[0].token_ids == \
+        fresh.generate_ids([prompts[1]], max_new_tokens=8)[0].token_ids
+    assert buffers() == first
+    batched = engine.generate_ids(prompts, max_new_tokens=8)
+    assert buffers() != first and [r.token_ids for r in batched] == \
+        [r.token_ids for r in fresh.generate_ids(prompts, max_new_tokens=8)]
+    monkeypatch.setattr(SharedKVCache, "MIN_CAPACITY", 4)  # the tiny model's 256 positions fit the default
+    engine.generate_ids([prompts[0]], max_new_tokens=128)
+    grown = buffers()
+    engine.generate_ids([prompts[0]], max_new_tokens=4)
+    assert buffers() != grown
 
 
 def test_shared_cache_row_and_column_edits_match_the_growing_cache():
