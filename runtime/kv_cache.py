@@ -127,11 +127,11 @@ class SharedKVCache:
     def recycled(self, batch: int, capacity: int) -> SharedKVCache | None:
         """An empty cache in this finished cache's buffers, zeroed, when they hold `batch` rows and at least
         `capacity` positions but no more than a new cache would grow to (2x, or the minimum capacity: a long
-        generation's buffers are not kept for short ones), else None. The caller must own this cache alone and never use it again: the new one
-        writes into the same arrays. Why reuse: the backend keeps the arrays bound (no rebinding), and on the
-        2-core development VM an engine's second generation, the first on freshly allocated buffers, often ran its
-        prefill ~2x slower inside GroupQueryAttention (23 tokens: ~100-130 ms against ~60), which reusing the
-        buffers did not show (docs/targets.md)."""
+        generation's buffers are not kept for short ones), else None. The caller must own this cache alone and
+        never use it again: the new one writes into the same arrays. Why reuse: the backend keeps the arrays bound
+        (no rebinding), and on the 2-core development VM an engine's second generation, the first on freshly
+        allocated buffers, often ran its prefill ~2x slower inside GroupQueryAttention (23 tokens: ~100-130 ms
+        against ~60), which reusing the buffers did not show (docs/targets.md)."""
         if self.keys[0].shape[0] != batch or not capacity <= self.capacity <= max(2 * capacity, self.MIN_CAPACITY):
             return None
         for buffer in self.keys + self.values:
