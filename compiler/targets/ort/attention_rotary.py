@@ -53,7 +53,7 @@ def apply(model: ir.Model, context) -> int:
     for site in sites:
         key = (id(site.cos), id(site.sin))
         if key not in cones:
-            cones[key] = _checked_cone(model, site.cos, site.sin, positions, rows, site.head_dim)
+            cones[key] = checked_cone(model, site.cos, site.sin, positions, rows, site.head_dim)
         if cones[key] is None:
             return 0
     build = Builder(graph, f"lowering:ort/{NAME}")
@@ -61,7 +61,7 @@ def apply(model: ir.Model, context) -> int:
     for site in sites:
         key = (id(site.cos), id(site.sin))
         if key not in tables:
-            tables[key] = _table_subgraph(build, cones[key], (site.cos, site.sin), positions, rows, len(tables))
+            tables[key] = table_subgraph(build, cones[key], (site.cos, site.sin), positions, rows, len(tables))
         _rewrite(build, site, *tables[key])
     return len(sites)
 
@@ -122,7 +122,7 @@ def _packed_source(q_rotary: ir.Node, k_rotary: ir.Node, v: ir.Value | None) -> 
     return source
 
 
-def _checked_cone(model: ir.Model, cos: ir.Value, sin: ir.Value, positions: ir.Value, rows: int,
+def checked_cone(model: ir.Model, cos: ir.Value, sin: ir.Value, positions: ir.Value, rows: int,
                   head_dim: int) -> list[ir.Node] | None:
     """The nodes computing cos and sin from position_ids, when ONNX Runtime gives [rows, head_dim/2] tables from
     them on positions 0..rows−1, equal in their first rows/2 rows to a run on rows/2 positions (else None: they read
@@ -146,7 +146,7 @@ def _checked_cone(model: ir.Model, cos: ir.Value, sin: ir.Value, positions: ir.V
     return nodes
 
 
-def _table_subgraph(build: Builder, nodes: list[ir.Node], outputs: tuple[ir.Value, ir.Value], positions: ir.Value,
+def table_subgraph(build: Builder, nodes: list[ir.Node], outputs: tuple[ir.Value, ir.Value], positions: ir.Value,
                     rows: int, index: int) -> tuple[ir.Value, ir.Value]:
     """A copy of the cos/sin subgraph on the constant positions [[0, ..., rows−1]], reshaped to [rows, width]. Every
     input of the copy is constant, so ONNX Runtime folds it into the two tables when the session loads: the file

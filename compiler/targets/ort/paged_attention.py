@@ -17,6 +17,11 @@ after:  out = If(view_fits,
         has it; new_key_i becomes that rotated k in its output layout) and the If returns [B, T, Hq·D]: no
         transpose of the step's rows that the pool form does not need (on 2 cores each small node costs
         microseconds).
+packed: where q, k, v = RotaryEmbedding(Split(qkv)) of one fused projection and the rotary's cos/sin fold into
+        tables (attention-rotary's rules), GroupQueryAttention takes qkv whole and rotates q and k itself
+        (do_rotary), the If also returns new_key_i / new_value_i (out of the op's present, or the rotated k and v
+        in their output layout), and the Split and rotaries run only in the branches that read them
+        (_rewrite_packed).
 
 The runtime passes the slice of the pool its batch's block tables span (runtime/paged_cache.py `feeds`), with the
 tables relative to that slice. For one sequence whose blocks lie together that slice is exactly its context, so
@@ -48,10 +53,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from fxllm.compiler.targets.ort.attention_rotary import checked_cone, table_subgraph
 from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, producer, static_dims, take_place
 from fxllm.compiler.targets.ort.group_query_attention import as_bsd, flat_consumer
 from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
-from fxllm.runtime.contract import BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, PAGED, parse_cache_name
+from fxllm.runtime.contract import BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, PAGED, POSITION_IDS, parse_cache_name
 
 NAME = "paged-attention"
 LOWEST = float(np.finfo(np.float32).min)
@@ -95,8 +101,18 @@ def apply(model: ir.Model, context) -> int:
     gqa = not any(windows)  # the gathered form as GroupQueryAttention (no sliding window to express)
     shared = _Shared(build, inputs, sites[0], block_size, first, gqa)
     biases = shared.biases(sorted({windows[site.layer] for site in sites}))
+    tables = _rotary_tables(model, build, sites, inputs, context) if gqa else None
     for site in sites:
-        _rewrite(build, site, shared, biases[windows[site.layer]], gqa)
+        attention = site.attention
+        q3 = as_bsd(build, site.q, site.q_heads, site.head_dim, attention)
+        k3 = as_bsd(build, site.new[0], site.kv_heads, site.head_dim, attention)
+        v3 = as_bsd(build, site.new[1], site.kv_heads, site.head_dim, attention)
+        packed = _packed(site, q3, k3, v3) if tables is not None else None
+        if packed is not None:
+            _rewrite_packed(build, site, shared, biases[windows[site.layer]], packed,
+                            tables[id(packed.q_rotary.inputs[1])])
+        else:
+            _rewrite(build, site, shared, biases[windows[site.layer]], gqa, (q3, k3, v3))
     return len(sites)
 
 
@@ -167,6 +183,7 @@ class _Shared:
             one = self._int([1])
             single = node("Or", [node("Equal", [self.batch, one]), node("Equal", [self.tokens, one])])
             self.gqa_fits = node("Squeeze", [single], name="paged_gqa_fits")
+        self._new_rows: dict[tuple[int, int], ir.Value] = {}
         self.split = node("Concat", [self.slots, self.rows], {"axis": 0})
         heads = site.q_heads
         self.flat_shape = node("Concat", [self.batch, self.tokens, self._int([heads * site.head_dim])], {"axis": 0})
@@ -176,6 +193,29 @@ class _Shared:
 
     def _node(self, op_type: str, inputs, attributes=None, name: str | None = None) -> ir.Value:
         return self.build.node(op_type, inputs, attributes, before=self.before, name=name).outputs[0]
+
+    def new_rows(self, kv_heads: int, head_dim: int) -> ir.Value:
+        """int64 [B, Hkv, T, D] holding context_lens[b] + t: the row of GroupQueryAttention's present where row b's
+        new token t lands (GatherElements on axis 2 takes the step's K/V out of it)."""
+        key = (kv_heads, head_dim)
+        if key not in self._new_rows:
+            node, scalar = self._node, self._scalar
+            steps = node("Range", [scalar(0), node("Squeeze", [self.tokens]), scalar(1)])
+            rows = node("Add", [node("Reshape", [self.lens, self._int([-1, 1, 1, 1])]),
+                                node("Reshape", [steps, self._int([1, 1, -1, 1])])])  # [B, 1, T, 1]
+            shape = node("Concat", [self.batch, self._int([kv_heads]), self.tokens, self._int([head_dim])],
+                         {"axis": 0})
+            self._new_rows[key] = node("Expand", [rows, shape], name=f"paged_gqa_new_rows_{kv_heads}_{head_dim}")
+        return self._new_rows[key]
+
+    def kv_head_shape(self, kv_heads: int, head_dim: int) -> ir.Value:
+        return self._int([0, 0, kv_heads, head_dim])
+
+    def _scalar(self, value: int) -> ir.Value:
+        name = f"paged_view_scalar_{value}"
+        if name not in self.build.graph.initializers:
+            return self.build.initializer(name, np.asarray(value, dtype=np.int64))
+        return self.build.graph.initializers[name]
 
     def _int(self, values: list[int]) -> ir.Value:
         array = np.asarray(values, dtype=np.int64)
@@ -255,6 +295,12 @@ class _Body:
         self.nodes.append(made)
         return made.outputs[0] if outputs == 1 else made.outputs
 
+    def copy(self, node: ir.Node, inputs=None):
+        """A copy of `node` (op, attributes, domain) in this body, on `inputs` (default: the node's own)."""
+        return self.node(node.op_type, list(node.inputs) if inputs is None else inputs,
+                         {name: a.value for name, a in node.attributes.items()}, domain=node.domain,
+                         outputs=len(node.outputs))
+
     def heads(self, value: ir.Value, head_shape: ir.Value) -> ir.Value:
         """[B, T, H·D] → [B, H, T, D] (head_shape: [0, 0, H, D])."""
         return self.node("Transpose", [self.node("Reshape", [value, head_shape])], {"perm": [0, 2, 1, 3]})
@@ -270,22 +316,11 @@ class _Body:
         return ir.Graph([], outputs, nodes=[*before, *self.nodes], name=name)
 
 
-def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: bool) -> None:
-    """Replace the site's attention by If(view_fits, pool attention, the gathered attention moved into the
-    else branch). q, k and v enter the pool form in their [B, T, H·D] layout (the rotary runs there, as
-    group-query-attention does it; new_key_i is then that rotated k in the output's layout), and the If returns
-    [B, T, Hq·D] where the attention's only consumer was the Transpose + Reshape to it: every transpose of the
-    step's few rows that the pool form does not need is gone (on 2 cores each small node costs microseconds)."""
-    attention = site.attention
-    q3 = as_bsd(build, site.q, site.q_heads, site.head_dim, attention)
-    k3 = as_bsd(build, site.new[0], site.kv_heads, site.head_dim, attention)
-    v3 = as_bsd(build, site.new[1], site.kv_heads, site.head_dim, attention)
-    if producer(site.new[0], "RotaryEmbedding") is not None and site.new[0].is_graph_output():
-        _output_from(build, site.new[0], k3, site.kv_heads, site.head_dim, attention)
-    flat_chain = flat_consumer(attention.outputs[0])
-    flat_output = flat_chain[-1].outputs[0] if flat_chain else None
-
-    view = _Body(build.origin, f"paged_view_{site.layer}")
+def _pool_attention(view: _Body, site: Site, shared: _Shared, bias: ir.Value,
+                    bsd: tuple[ir.Value, ir.Value, ir.Value], flat: bool) -> ir.Value:
+    """The pool form of one layer's attention (the module docstring), added to `view`, on q, k, v [B, T, H·D]:
+    its output [B, T, Hq·D] when `flat`, else [B, Hq, T, D]."""
+    q3, k3, v3 = bsd
     n = view.node
 
     def fused(a, b, **attributes):
@@ -300,8 +335,169 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
     pool_probs, new_probs = n("Split", [probs, shared.split], {"axis": -1}, outputs=2)
     out = n("Add", [fused(pool_probs, pool_v, transBatchB=1), fused(new_probs, v, transBatchB=1)])  # [Hkv,G,BT,D]
     out = n("Reshape", [n("Transpose", [out], {"perm": [2, 0, 1, 3]}), shared.flat_shape])  # [B, T, Hq·D]
-    if flat_output is None:
-        out = view.heads(out, shared.head_shape)  # [B, Hq, T, D]
+    return out if flat else view.heads(out, shared.head_shape)  # [B, Hq, T, D]
+
+
+@dataclass
+class Packed:
+    """q, k, v = RotaryEmbedding(Split(qkv)[0]), RotaryEmbedding(Split(qkv)[1]), Split(qkv)[2]: the form that
+    GroupQueryAttention takes whole (packed qkv, do_rotary)."""
+
+    qkv: ir.Value  # [B, T, (Hq + 2·Hkv)·D]
+    split: ir.Node
+    q_rotary: ir.Node
+    k_rotary: ir.Node
+
+
+def _packed(site: Site, q3: ir.Value, k3: ir.Value, v3: ir.Value) -> Packed | None:
+    """The site's Packed form, when its step K/V are graph outputs (new_key_i, new_value_i) and its rotaries are
+    full-width ones of one cos/sin pair."""
+    if not (site.new[0].is_graph_output() and site.new[1].is_graph_output()):
+        return None
+    q_rotary, k_rotary = producer(q3, "RotaryEmbedding"), producer(k3, "RotaryEmbedding")
+    if q_rotary is None or k_rotary is None or len(q_rotary.inputs) != 3 or len(k_rotary.inputs) != 3:
+        return None
+    if q_rotary.inputs[1] is not k_rotary.inputs[1] or q_rotary.inputs[2] is not k_rotary.inputs[2]:
+        return None
+    interleaved = {r.attributes.get_int("interleaved", 0) for r in (q_rotary, k_rotary)}
+    if len(interleaved) != 1 or any(r.attributes.get_int("rotary_embedding_dim", 0) for r in (q_rotary, k_rotary)):
+        return None
+    split = producer(q_rotary.inputs[0], "Split")
+    if split is None or list(split.outputs) != [q_rotary.inputs[0], k_rotary.inputs[0], v3]:
+        return None
+    qkv = split.inputs[0]
+    if qkv is None or qkv.shape is None or len(qkv.shape) != 3 or split.attributes.get_int("axis", 0) not in (-1, 2):
+        return None
+    return Packed(qkv, split, q_rotary, k_rotary)
+
+
+def _rotary_tables(model: ir.Model, build: Builder, sites: list[Site], inputs: dict[str, ir.Value],
+                   context) -> dict[int, tuple[ir.Value, ir.Value]] | None:
+    """{id(cos): (cos_table, sin_table)} for every site's rotary (attention-rotary's tables, same rules), or None
+    when one site has none or its cos/sin cannot become tables."""
+    positions = inputs.get(POSITION_IDS)
+    if positions is None:
+        return None
+    rows = 2 * int(context.spec.max_positions)
+    cones: dict[int, tuple[list[ir.Node], ir.Value, ir.Value]] = {}
+    for site in sites:
+        rotary = producer(site.q, "RotaryEmbedding")
+        if rotary is None or len(rotary.inputs) != 3:
+            return None
+        cos, sin = rotary.inputs[1], rotary.inputs[2]
+        if id(cos) not in cones:
+            cone = checked_cone(model, cos, sin, positions, rows, site.head_dim)
+            if cone is None:
+                return None
+            cones[id(cos)] = (cone, cos, sin)
+    return {key: table_subgraph(build, cone, (cos, sin), positions, rows, index)
+            for index, (key, (cone, cos, sin)) in enumerate(cones.items())}
+
+
+def _rewrite_packed(build: Builder, site: Site, shared: _Shared, bias: ir.Value, packed: Packed,
+                    tables: tuple[ir.Value, ir.Value]) -> None:
+    """Replace the site's attention, its q/k/v Split and rotaries and its step K/V outputs by one If with three
+    outputs (attention, new_key_i, new_value_i), the Split and rotaries copied into the branches that need them:
+
+        If(view_fits,
+           then: Split, rotaries, the step's K/V to their output layout, the pool form;
+           else: the gathered past, then If(one row or one token a row,
+                 then: GroupQueryAttention(packed qkv, do_rotary): it rotates q and k itself, and the step's K/V
+                       are taken out of its present at rows context_lens + t (GatherElements); no Split,
+                       RotaryEmbedding, Reshape or Transpose runs (a short context's decode step: SmolLM2 fp32 at
+                       69 tokens, one step 1.095x → 1.071x the contiguous artifact's, benchmarks/step_ab.py);
+                 else: Split, rotaries, Concat + Attention as before))
+    """
+    attention, origin = site.attention, build.origin
+    flat_chain = flat_consumer(attention.outputs[0])
+    flat = flat_chain is not None
+    key_gather, value_gather, key_concat, value_concat = site.gathered
+    mask = attention.inputs[3]
+    build.graph.remove([key_gather, value_gather, key_concat, value_concat, attention])
+    kv_head_shape = shared.kv_head_shape(site.kv_heads, site.head_dim)
+
+    fused = _Body(origin, f"paged_gqa_{site.layer}")
+    attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads, "scale": site.scale, "do_rotary": 1,
+                  "rotary_interleaved": packed.q_rotary.attributes.get_int("interleaved", 0)}
+    out, present_key, present_value = fused.node(
+        "GroupQueryAttention", [packed.qkv, None, None, key_gather.outputs[0], value_gather.outputs[0],
+                                shared.seqlens, shared.total, *tables], attributes, domain=MS_DOMAIN, outputs=3)
+    fused.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, fused
+    rows = shared.new_rows(site.kv_heads, site.head_dim)
+    new_key, new_value = (fused.node("GatherElements", [present, rows], {"axis": 2})
+                          for present in (present_key, present_value))
+    if not flat:
+        out = fused.heads(out, shared.head_shape)
+    gqa_branch = fused.graph(f"paged_gqa_{site.layer}", [out, new_key, new_value])
+
+    def separate_rotaries(body: _Body) -> tuple[ir.Value, ...]:
+        """q3, k3, v3 [B, T, H·D] and the step's k, v [B, Hkv, T, D] (the outputs' layout), computed in `body`."""
+        q_part, k_part, v3 = body.copy(packed.split)
+        q3 = body.copy(packed.q_rotary, [q_part, *packed.q_rotary.inputs[1:]])
+        k3 = body.copy(packed.k_rotary, [k_part, *packed.k_rotary.inputs[1:]])
+        return q3, k3, v3, body.heads(k3, kv_head_shape), body.heads(v3, kv_head_shape)
+
+    view = _Body(origin, f"paged_view_{site.layer}")
+    q3, k3, v3, k4, v4 = separate_rotaries(view)
+    out = _pool_attention(view, site, shared, bias, (q3, k3, v3), flat)
+    view_branch = view.graph(f"paged_view_attention_{site.layer}", [out, k4, v4])
+
+    standard = _Body(origin, f"paged_gathered_attention_{site.layer}")
+    q3, _, _, k4, v4 = separate_rotaries(standard)
+    keys = standard.copy(key_concat, [key_gather.outputs[0], k4])
+    values = standard.copy(value_concat, [value_gather.outputs[0], v4])
+    result = standard.node(attention.op_type, [standard.heads(q3, shared.head_shape), keys, values, mask],
+                           {name: a.value for name, a in attention.attributes.items()}, domain=attention.domain,
+                           outputs=len(attention.outputs))
+    result = result[0] if len(attention.outputs) > 1 else result
+    standard.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, moved
+    if flat:
+        result = standard.node("Reshape", [standard.node("Transpose", [result], {"perm": [0, 2, 1, 3]}),
+                                           shared.flat_shape])
+    gathered = _Body(origin, f"paged_gathered_{site.layer}")
+    choice = gathered.node("If", [shared.gqa_fits], {
+        "then_branch": gqa_branch,
+        "else_branch": standard.graph(f"paged_gathered_attention_{site.layer}", [result, k4, v4])}, outputs=3)
+    gathered_branch = gathered.graph(f"paged_gathered_{site.layer}", list(choice), before=[key_gather, value_gather])
+
+    for node in (attention, key_concat, value_concat):
+        for index in range(len(node.inputs)):
+            node.replace_input_with(index, None)
+    replaced = flat_chain[-1].outputs[0] if flat else attention.outputs[0]
+    node = build.node("If", [shared.fits], {"then_branch": view_branch, "else_branch": gathered_branch},
+                      before=_first_use(replaced), outputs=3, name=f"paged_attention_{site.layer}")
+    _take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
+    take_place(site.new[0], node.outputs[1], "separate_rotary")
+    take_place(site.new[1], node.outputs[2], "separate_rotary")
+    if flat:
+        build.graph.remove(flat_chain)
+        for chained in flat_chain:
+            for index in range(len(chained.inputs)):
+                chained.replace_input_with(index, None)
+
+
+def _take_output(value: ir.Value, replaced: ir.Value, name: str) -> None:
+    """`value` (an If's output) replaces `replaced` everywhere, under `name`, with its dtype and shape."""
+    value.name, value.dtype = name, replaced.dtype
+    value.shape = None if replaced.shape is None else ir.Shape(list(replaced.shape.dims))
+    replaced.replace_all_uses_with(value, replace_graph_outputs=True)
+
+
+def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: bool,
+             bsd: tuple[ir.Value, ir.Value, ir.Value]) -> None:
+    """Replace the site's attention by If(view_fits, pool attention, the gathered attention moved into the
+    else branch). q, k and v enter the pool form in their [B, T, H·D] layout `bsd` (the rotary runs there, as
+    group-query-attention does it; new_key_i is then that rotated k in the output's layout), and the If returns
+    [B, T, Hq·D] where the attention's only consumer was the Transpose + Reshape to it: every transpose of the
+    step's few rows that the pool form does not need is gone (on 2 cores each small node costs microseconds)."""
+    attention = site.attention
+    q3, k3, v3 = bsd
+    if producer(site.new[0], "RotaryEmbedding") is not None and site.new[0].is_graph_output():
+        _output_from(build, site.new[0], k3, site.kv_heads, site.head_dim, attention)
+    flat_chain = flat_consumer(attention.outputs[0])
+    flat_output = flat_chain[-1].outputs[0] if flat_chain else None
+    view = _Body(build.origin, f"paged_view_{site.layer}")
+    out = _pool_attention(view, site, shared, bias, (q3, k3, v3), flat_output is not None)
     then_branch = view.graph(f"paged_view_attention_{site.layer}", [out])
 
     key_gather, value_gather, key_concat, value_concat = site.gathered
@@ -342,10 +538,7 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
     replaced = flat_output if flat_output is not None else attention.outputs[0]
     node = build.node("If", [shared.fits], {"then_branch": then_branch, "else_branch": else_branch},
                       before=_first_use(replaced), name=f"paged_attention_{site.layer}")
-    value = node.outputs[0]
-    value.name, value.dtype = f"paged_attention_{site.layer}", replaced.dtype
-    value.shape = None if replaced.shape is None else ir.Shape(list(replaced.shape.dims))
-    replaced.replace_all_uses_with(value, replace_graph_outputs=True)
+    _take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
     if flat_chain:
         build.graph.remove(flat_chain)
         for chained in flat_chain:
