@@ -1,0 +1,46 @@
+"""runtime/paged_cache.PagedKVPool.write: a step's new K/V land in their slots, whatever the batch shape, whether
+they come in the pool's staging arrays or in arrays of their own; a padding slot (-1) is never written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fxllm.runtime.contract import PAGED, cache_output
+from fxllm.runtime.paged_cache import PagedKVPool
+
+LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 10, 4, 2, 5
+
+
+def _expected(pool: np.ndarray, new: dict[str, np.ndarray], slots: np.ndarray) -> np.ndarray:
+    """The pools after the write, slot by slot: new_<kind>_<layer>[b, :, t] at (block, offset) = divmod(slot)."""
+    want = pool.copy()
+    for row in range(slots.shape[0]):
+        for token in range(slots.shape[1]):
+            slot = int(slots[row, token])
+            if slot < 0:
+                continue
+            block, offset = divmod(slot, BLOCK_SIZE)
+            for index, kind in enumerate(("key", "value")):
+                for layer in range(LAYERS):
+                    want[index * LAYERS + layer, block, offset] = new[cache_output(PAGED, kind, layer)][row, :, token]
+    return want
+
+
+@pytest.mark.parametrize("slots", [[[13]], [[-1]], [[5, 6, 7]], [[9], [30], [2]], [[4, 5], [22, -1]]],
+                         ids=["one-row-one-token", "one-padding-slot", "one-row-tokens", "rows", "rows-padded"])
+@pytest.mark.parametrize("staged", [True, False], ids=["staging", "own-arrays"])
+def test_new_kv_land_in_their_slots(slots, staged):
+    rng = np.random.default_rng(0)
+    pool = PagedKVPool(LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    pool._pools[:] = rng.standard_normal(pool._pools.shape)
+    slots = np.asarray(slots, dtype=np.int64)
+    batch, tokens = slots.shape
+    outputs = pool.new_kv_buffers(batch, tokens) if staged else {
+        cache_output(PAGED, kind, layer): np.empty((batch, KV_HEADS, tokens, HEAD_DIM), np.float32)
+        for kind in ("key", "value") for layer in range(LAYERS)}
+    for array in outputs.values():
+        array[:] = rng.standard_normal(array.shape)
+    want = _expected(pool._pools, outputs, slots)
+    pool.write(outputs, slots)
+    np.testing.assert_array_equal(pool._pools, want)
