@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,9 +29,10 @@ class SampledTokens:
 def greedy_tokens(logits: np.ndarray) -> np.ndarray:
     """argmax of each row of logits [B,V], refused as checked_logits refuses, in one pass: argmax stops at a row's
     first NaN and takes its first +inf, so a row has a NaN, a +inf or no finite value exactly when its peak is not
-    finite."""
+    finite. The peaks are checked one scalar a row: right after a model call numpy's fancy indexing runs cold and
+    cost ~70 µs a decode step, three times the argmax itself."""
     tokens = logits.argmax(-1)
-    if not np.isfinite(logits[np.arange(logits.shape[0]), tokens]).all():
+    if not all(math.isfinite(logits[row, token]) for row, token in enumerate(tokens.tolist())):
         checked_logits(logits)  # raises with its message
     return tokens
 

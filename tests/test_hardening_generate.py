@@ -97,6 +97,8 @@ def test_sampler_refuses_non_finite_logits(bad):
     assert probabilities(masked, SamplingParams(temperature=1.0))[0, 5] == 1.0
     with pytest.raises(GenerationError, match="non-finite logits"):
         probabilities(np.full((1, 16), -np.inf, dtype=np.float32), SamplingParams(temperature=1.0))
+    with pytest.raises(GenerationError, match="non-finite logits"):  # greedy: a row with no finite value
+        Sampler(SamplingParams(), 2)(np.stack([logits[0], np.full(16, -np.inf, dtype=np.float32)]))
 
 
 class _FixedDraw:

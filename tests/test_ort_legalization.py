@@ -21,6 +21,7 @@ from fxllm.compiler.targets.onnx_export import lower_to_onnx
 from fxllm.compiler.targets.ort import STEP_NAMES
 from fxllm.compiler.targets.tensorrt_audit import audit_file
 from fxllm.errors import PipelineError
+from fxllm.runtime.backend import StepFeeds
 from fxllm.runtime.backend_ort import OrtBackend
 from fxllm.runtime.contract import ATTENTION_MASK, INPUT_IDS, KV_CAPACITY, LOGITS_INDEX, POSITION_IDS, ModelIO
 from fxllm.runtime.kv_cache import SharedKVCache
@@ -136,6 +137,35 @@ def test_shared_buffer_grows_and_rolls_back(float_lowerings, float_program, toke
     cache.truncate(len(ids) + 2)  # reject three "draft" tokens
     logits = runner.step_one(cache, want[2:6], len(ids) + 2, all_logits=True)
     assert [int(row.argmax()) for row in logits] == want[3:7]
+
+
+def test_decode_steps_copy_their_inputs_into_the_bound_arrays(float_lowerings, float_program, tokenizer):
+    """A step input whose shape and dtype did not change is copied into the array the backend already bound: a
+    decode step rebinds only its attention mask (which grows by one column), and it computes what the standard
+    artifact computes; the caller's arrays stay the caller's (changing one after the call changes nothing bound)."""
+    path, lowered = float_lowerings["legalized"]
+    io = ModelIO.from_signature(lowered.inputs, lowered.outputs)
+    backend = OrtBackend(path, threads=1, aliases=io.aliases)
+    runner = ModelRunner(backend, io, float_program.spec)
+    binds, bind = [], backend._binding.bind_input
+    backend._binding.bind_input = lambda name, *rest: (binds.append(name), bind(name, *rest))[1]
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    want, want_logits = greedy(*float_lowerings["standard"], float_program, ids, steps=4)
+    cache = runner.new_cache()
+    runner.step_one(cache, ids, 0, all_logits=False)
+    for step, token in enumerate(want[:4]):
+        binds.clear()
+        logits = runner.step_one(cache, [token], len(ids) + step, all_logits=False)
+        np.testing.assert_allclose(logits[-1], want_logits[step + 1][-1], atol=1e-4)
+        # the prefill's ids and positions were longer; its logits index ([last]) already had the decode's shape
+        assert binds == ([ATTENTION_MASK] if step else [INPUT_IDS, POSITION_IDS, ATTENTION_MASK])
+    fed = np.asarray([[want[4]]], dtype=np.int64)
+    cache.reserve(len(ids) + 5)
+    backend.run(StepFeeds({INPUT_IDS: fed, POSITION_IDS: np.asarray([[len(ids) + 4]], dtype=np.int64),
+                           ATTENTION_MASK: np.ones((1, len(ids) + 5), dtype=np.int64),
+                           LOGITS_INDEX: np.asarray([0], dtype=np.int64)}, cache.feeds()))
+    fed[0, 0] = 7
+    assert backend._bound[INPUT_IDS][0, 0] == want[4]
 
 
 def test_bound_steps_write_fresh_logits_without_fetching_outputs(float_lowerings, float_program, tokenizer,
