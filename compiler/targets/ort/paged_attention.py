@@ -405,7 +405,7 @@ def _rewrite_packed(build: Builder, site: Site, shared: _Shared, bias: ir.Value,
                  then: GroupQueryAttention(packed qkv, do_rotary): it rotates q and k itself, and the step's K/V
                        are taken out of its present at rows context_lens + t (GatherElements); no Split,
                        RotaryEmbedding, Reshape or Transpose runs (a short context's decode step: SmolLM2 fp32 at
-                       69 tokens, one step 1.095x → 1.071x the contiguous artifact's, benchmarks/step_ab.py);
+                       69 tokens, one step 1.087x → 1.061x the contiguous artifact's, benchmarks/step_ab.py);
                  else: Split, rotaries, Concat + Attention as before))
     """
     attention, origin = site.attention, build.origin
