@@ -446,23 +446,14 @@ def _rewrite_packed(build: Builder, site: Site, shared: _Shared, bias: ir.Value,
     q3, _, _, k4, v4 = separate_rotaries(standard)
     keys = standard.copy(key_concat, [key_gather.outputs[0], k4])
     values = standard.copy(value_concat, [value_gather.outputs[0], v4])
-    result = standard.node(attention.op_type, [standard.heads(q3, shared.head_shape), keys, values, mask],
-                           {name: a.value for name, a in attention.attributes.items()}, domain=attention.domain,
-                           outputs=len(attention.outputs))
-    result = result[0] if len(attention.outputs) > 1 else result
-    standard.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, moved
-    if flat:
-        result = standard.node("Reshape", [standard.node("Transpose", [result], {"perm": [0, 2, 1, 3]}),
-                                           shared.flat_shape])
+    result = _moved_attention(standard, attention, [q3, keys, values, mask], shared, flat)
     gathered = _Body(origin, f"paged_gathered_{site.layer}")
     choice = gathered.node("If", [shared.gqa_fits], {
         "then_branch": gqa_branch,
         "else_branch": standard.graph(f"paged_gathered_attention_{site.layer}", [result, k4, v4])}, outputs=3)
     gathered_branch = gathered.graph(f"paged_gathered_{site.layer}", list(choice), before=[key_gather, value_gather])
 
-    for node in (attention, key_concat, value_concat):
-        for index in range(len(node.inputs)):
-            node.replace_input_with(index, None)
+    _detach([attention, key_concat, value_concat])
     replaced = flat_chain[-1].outputs[0] if flat else attention.outputs[0]
     node = build.node("If", [shared.fits], {"then_branch": view_branch, "else_branch": gathered_branch},
                       before=_first_use(replaced), outputs=3, name=f"paged_attention_{site.layer}")
@@ -471,9 +462,28 @@ def _rewrite_packed(build: Builder, site: Site, shared: _Shared, bias: ir.Value,
     take_place(site.new[1], node.outputs[2], "separate_rotary")
     if flat:
         build.graph.remove(flat_chain)
-        for chained in flat_chain:
-            for index in range(len(chained.inputs)):
-                chained.replace_input_with(index, None)
+        _detach(flat_chain)
+
+
+def _moved_attention(body: _Body, attention: ir.Node, inputs: list[ir.Value], shared: _Shared, flat: bool) -> ir.Value:
+    """The model's Attention, rebuilt in `body` on (q [B, T, Hq·D], keys, values, mask) with its attributes and
+    origin: its output [B, T, Hq·D] when `flat`, else [B, Hq, T, D]."""
+    q3, *rest = inputs
+    result = body.node(attention.op_type, [body.heads(q3, shared.head_shape), *rest],
+                       {name: a.value for name, a in attention.attributes.items()}, domain=attention.domain,
+                       outputs=len(attention.outputs))
+    result = result[0] if len(attention.outputs) > 1 else result
+    body.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, moved
+    if flat:
+        result = body.node("Reshape", [body.node("Transpose", [result], {"perm": [0, 2, 1, 3]}), shared.flat_shape])
+    return result
+
+
+def _detach(nodes) -> None:
+    """Disconnect removed nodes from their inputs (their values' uses then list only live nodes)."""
+    for node in nodes:
+        for index in range(len(node.inputs)):
+            node.replace_input_with(index, None)
 
 
 def _take_output(value: ir.Value, replaced: ir.Value, name: str) -> None:
@@ -503,17 +513,8 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
     key_gather, value_gather, key_concat, value_concat = site.gathered
     build.graph.remove([key_gather, value_gather, key_concat, value_concat, attention])
     standard = _Body(build.origin, f"paged_gathered_attention_{site.layer}")  # Concat + Attention, moved
-    q4 = standard.heads(q3, shared.head_shape)
-    result = standard.node(attention.op_type, [q4, *attention.inputs[1:]],
-                           {name: a.value for name, a in attention.attributes.items()}, domain=attention.domain,
-                           outputs=len(attention.outputs))
-    result = result[0] if len(attention.outputs) > 1 else result
-    standard.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, moved
-    if flat_output is not None:
-        result = standard.node("Reshape", [standard.node("Transpose", [result], {"perm": [0, 2, 1, 3]}),
-                                           shared.flat_shape])
-    for index in range(len(attention.inputs)):
-        attention.replace_input_with(index, None)
+    result = _moved_attention(standard, attention, [q3, *attention.inputs[1:]], shared, flat_output is not None)
+    _detach([attention])
     if not gqa:
         else_branch = standard.graph(f"paged_gathered_{site.layer}", [result],
                                      before=[key_gather, value_gather, key_concat, value_concat])
@@ -541,9 +542,7 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
     _take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
     if flat_chain:
         build.graph.remove(flat_chain)
-        for chained in flat_chain:
-            for index in range(len(chained.inputs)):
-                chained.replace_input_with(index, None)
+        _detach(flat_chain)
 
 
 def _output_from(build: Builder, output: ir.Value, flat: ir.Value, heads: int, head_dim: int,
