@@ -50,6 +50,9 @@ class StepFeeds(Mapping[str, np.ndarray]):
 @runtime_checkable
 class Backend(Protocol):
     name: str  # "onnxruntime", "tensorrt", ...
+    # a select-logits graph runs with an empty logits_index (a prefill call whose logits nobody reads skips the
+    # lm_head); a backend without this attribute is given one position
+    allows_empty_selection: bool
 
     @property
     def providers(self) -> list[str]:

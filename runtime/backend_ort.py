@@ -34,6 +34,7 @@ class OrtBackend:
     """The Backend protocol (runtime/backend.py) over one ONNX Runtime InferenceSession."""
 
     name = "onnxruntime"
+    allows_empty_selection = True
 
     def __init__(self, model_path: Path, threads: int | None = None, providers: list[str] | None = None,
                  int8_activations: bool = False, spin: bool = True, aliases: dict[str, str] | None = None):

@@ -53,6 +53,7 @@ class TorchBackend:
     """The Backend protocol over a torch.export program; KV outputs stay on `device` (see the module docstring)."""
 
     name = "torch"
+    allows_empty_selection = False  # torch.export's dynamic sizes start at 1
 
     def __init__(self, manifest: Manifest, device: str = "cpu", compile: bool = False, threads: int | None = None):
         if manifest.target != "torch":

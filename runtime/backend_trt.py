@@ -36,6 +36,7 @@ class TrtBackend:
     """The Backend protocol (runtime/backend.py) over a TensorRT engine; host arrays in and out of every call."""
 
     name = "tensorrt"
+    allows_empty_selection = False  # the engine's optimization profile starts `select` at 1
 
     def __init__(self, directory: Path, manifest: dict[str, Any]):
         try:

@@ -106,10 +106,10 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_context: in
 # -- engine options ---------------------------------------------------------------------------------------------
 
 def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_memory: Any = None,
-                         max_batch: Any = 64, max_tokens_per_step: Any = 512, spec_k: Any = None) -> None:
+                         max_batch: Any = 64, max_tokens_per_step: Any = None, spec_k: Any = None) -> None:
     """Engine.load's numeric options: threads None or 1..MAX_THREADS; kv_blocks None or >= 1; kv_cache_memory
-    None, an int of bytes or a size string ("256MB"); max_batch, max_tokens_per_step >= 1; spec_k None or an int
-    (its range is the artifact's business)."""
+    None, an int of bytes or a size string ("256MB"); max_batch >= 1; max_tokens_per_step None or >= 1; spec_k None
+    or an int (its range is the artifact's business)."""
     if threads is not None:
         integer("threads", threads, minimum=1, maximum=MAX_THREADS)
     if kv_blocks is not None:
@@ -119,7 +119,8 @@ def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_me
         raise InvalidArgumentError("kv_cache_memory", "kv_cache_memory must be a number of bytes or a size such as "
                                                       f"'256MB', got {describe(kv_cache_memory)}")
     integer("max_batch", max_batch, minimum=1)
-    integer("max_tokens_per_step", max_tokens_per_step, minimum=1)
+    if max_tokens_per_step is not None:
+        integer("max_tokens_per_step", max_tokens_per_step, minimum=1)
     if spec_k is not None:
         integer("spec_k", spec_k)
 

@@ -16,7 +16,8 @@ short a row drops its drafts before anyone is preempted; after the call only the
 are committed and the other reserved slots are released.
 
 StaticBatchScheduler — contiguous KV cache: when no batch runs, up to `max_batch` waiting requests form one
-left-padded batch, prefilled in one call and decoded in lock-step; finished rows leave it, and requests that
+left-padded batch, prefilled as one batch (the runner feeds a one-row prompt in calls of at most
+`max_tokens_per_step` tokens) and decoded in lock-step; finished rows leave it, and requests that
 arrive meanwhile wait until it drains. (Joining a running contiguous batch would mean re-padding every row's
 cache; the paged artifact is the one built for that.)
 """

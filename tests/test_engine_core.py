@@ -42,6 +42,7 @@ class FailingBackend:
 
     def __init__(self, inner: Backend):
         self.inner, self.name, self.armed_rows = inner, inner.name, None
+        self.allows_empty_selection = inner.allows_empty_selection
 
     @property
     def providers(self) -> list[str]:
