@@ -33,7 +33,7 @@ DEFAULT_NGRAM_K = 4  # prompt lookup asked for at load time on an artifact compi
 # Prompt tokens a call computes when max_tokens_per_step is not given. Paged: each iteration's admission budget
 # and chunk (more admitted per iteration, fewer decode steps between admissions). Contiguous: the size of each
 # prefill call: on CPU the projections are as fast at 256 rows as at more, and a smaller call scores fewer masked
-# keys (SmolLM2 fp32, 1,035 prompt tokens: 0.91x the time of one call; 512 tokens a call: 0.94x).
+# keys (SmolLM2 fp32, 1,035 prompt tokens: 0.86x the time of one call; 512 tokens a call: 0.91x).
 DEFAULT_TOKENS_PER_STEP = {"paged": 512, "contiguous": 256}
 
 
