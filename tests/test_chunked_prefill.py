@@ -10,33 +10,20 @@ import fxllm
 from fxllm.runtime.contract import INPUT_IDS, LOGITS_INDEX
 from fxllm.runtime.engine import Engine
 from fxllm.runtime.request import SamplingParams
+from tests.backend_wrapper import WrappedBackend
 
 
-class RecordingBackend:
+class RecordingBackend(WrappedBackend):
     """Wraps a real backend and records each call's fed shape and logits_index."""
 
     def __init__(self, inner):
-        self.inner, self.name = inner, inner.name
-        self.allows_empty_selection = inner.allows_empty_selection
+        super().__init__(inner)
         self.calls: list[tuple[tuple[int, ...], list[int] | None]] = []
-
-    @property
-    def providers(self):
-        return self.inner.providers
 
     def run(self, feeds):
         index = feeds[LOGITS_INDEX].tolist() if LOGITS_INDEX in feeds else None
         self.calls.append((tuple(feeds[INPUT_IDS].shape), index))
         return self.inner.run(feeds)
-
-    def input_signature(self):
-        return self.inner.input_signature()
-
-    def output_signature(self):
-        return self.inner.output_signature()
-
-    def metadata(self):
-        return self.inner.metadata()
 
 
 def recorded(artifact, empty_selection: bool | None = None, **options) -> tuple[Engine, RecordingBackend]:

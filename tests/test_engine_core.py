@@ -17,6 +17,7 @@ from fxllm.runtime.async_engine import AsyncEngine
 from fxllm.runtime.backend import Backend
 from fxllm.runtime.logprobs import log_softmax
 from fxllm.runtime.request import SamplingParams
+from tests.backend_wrapper import WrappedBackend
 from tests.conftest import PROMPTS
 
 PROMPTS32 = [(prompt + " ") * (1 + i % 3) + str(i) for i, prompt in enumerate(PROMPTS * 8)]  # 6-60 tokens
@@ -37,16 +38,12 @@ def alone(paged_artifact):
     return ids, [engine.generate_ids([i], max_new_tokens=n)[0] for i, n in zip(ids, NEW32)]
 
 
-class FailingBackend:
+class FailingBackend(WrappedBackend):
     """Wraps a real backend; once armed, the first call whose batch has at least `rows` rows raises."""
 
     def __init__(self, inner: Backend):
-        self.inner, self.name, self.armed_rows = inner, inner.name, None
-        self.allows_empty_selection = inner.allows_empty_selection
-
-    @property
-    def providers(self) -> list[str]:
-        return self.inner.providers
+        super().__init__(inner)
+        self.armed_rows = None
 
     def arm(self, rows: int = 1) -> None:
         self.armed_rows = rows
@@ -56,15 +53,6 @@ class FailingBackend:
             self.armed_rows = None
             raise RuntimeError("injected backend failure\nsecond line")
         return self.inner.run(feeds)
-
-    def input_signature(self):
-        return self.inner.input_signature()
-
-    def output_signature(self):
-        return self.inner.output_signature()
-
-    def metadata(self):
-        return self.inner.metadata()
 
 
 def assert_pool_whole(engine) -> None:
