@@ -95,7 +95,10 @@ def test_gguf_blocks_are_kept_exactly(body, q4_1_file, q4_1_artifact, tmp_path):
     types = {i.name: i.data_type for i in graph.initializer}
     codes = [types[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in types]
     bits = onnx.TensorProto.INT8 if body == "Q8_0" else onnx.TensorProto.INT4
-    assert codes.count(bits) == LAYERS * 4 + (body == "Q8_0") and onnx.TensorProto.INT8 in codes  # + Q8_0 lm_head
+    # per layer qkv, o, gate, up, down (split-projections; Q4_1's gate/up keep one MatMul, its offset term reads
+    # their sum) + the Q8_0 lm_head
+    projections = 4 if body == "Q4_1" else 5
+    assert codes.count(bits) == LAYERS * projections + (body == "Q8_0") and onnx.TensorProto.INT8 in codes
     # the embedding reads the lm_head's codes (on the ort target through a Reshape, see untie-quantized-head)
     reshaped = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Reshape" and n.input[0] in types}
     gathered = [reshaped.get(n.input[0], n.input[0]) for n in graph.node if n.op_type == "Gather"]

@@ -94,7 +94,7 @@ def test_group_query_attention_and_skip_norm_form(float_lowerings, float_program
     assert "Attention" not in counts and "Concat" not in counts and "Transpose" not in counts
     # attention-rotary: the rotary moved into the attention, which reads the fused q/k/v projection whole
     assert lowered.legalized["attention-rotary"] == layers and "RotaryEmbedding" not in counts
-    assert counts["Split"] == layers  # the gate/up split only
+    assert "Split" not in counts  # the gate/up run as two MatMuls (split-projections)
     graph = onnx.load(str(path), load_external_data=False).graph
     attention = next(node for node in graph.node if node.op_type == "GroupQueryAttention")
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}
@@ -363,3 +363,29 @@ def test_unknown_steps_are_refused(make_tiny_model, tmp_path):
         fxllm.compile(make_tiny_model("llama"), tmp_path / "x", ort_steps=("no-such-step",))
     with pytest.raises(PipelineError, match="applies to target 'ort' only"):
         fxllm.compile(make_tiny_model("llama"), tmp_path / "x", ort_steps=STEP_NAMES, target="tensorrt")
+
+
+@pytest.mark.parametrize("quantize", [None, "method=int4-rtn;zero_point=true;group_size=32",
+                                      "method=int4-rtn;zero_point=false;group_size=32"])
+def test_split_projections_run_the_gate_and_up_as_two_matmuls(make_tiny_model, tmp_path, tokenizer, quantize):
+    """The MLP's fused gate/up + Split becomes one MatMul per part (the same columns); the fused q/k/v, which
+    GroupQueryAttention reads whole, stays fused."""
+    program = program_of(make_tiny_model("llama"), None if quantize is None else QUANTIZED.format(options=quantize))
+    before = [step for step in STEP_NAMES if step != "split-projections"]
+    standard = (tmp_path / "fused.onnx", None)
+    standard = (standard[0], lower_to_onnx(program, standard[0], "ort", ort_steps=tuple(before)))
+    path = tmp_path / "split.onnx"
+    legalized = (path, lower_to_onnx(program, path, "ort"))
+    layers = program.spec.num_layers
+    assert legalized[1].legalized["split-projections"] == layers
+    counts, fused = ops(path), ops(standard[0])
+    assert fused["Split"] == layers and "Split" not in counts
+    assert counts["MatMul"] == fused["MatMul"] + layers and counts["GroupQueryAttention"] == layers
+    if quantize is not None:
+        assert counts["DequantizeLinear"] == fused["DequantizeLinear"] + layers
+        model = onnx.load(str(path), load_external_data=False)
+        initializers = {i.name: i for i in model.graph.initializer}
+        kinds = {initializers[node.input[0]].data_type
+                 for node in model.graph.node if node.op_type == "DequantizeLinear"}
+        assert kinds == {onnx.TensorProto.UINT4 if "zero_point=true" in quantize else onnx.TensorProto.INT4}
+    assert_same_generation(standard, legalized, program, tokenizer, 1e-5)

@@ -204,7 +204,7 @@ def test_quantized_artifact_form_and_generation(method, bits, make_tiny_model, c
     model = onnx.load(str(artifact / "model.onnx"), load_external_data=False)
     initializers = {i.name: i for i in model.graph.initializer}
     dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-    assert len(dq) == 2 * 4  # qkv, o, gate+up, down per layer; lm_head stays float
+    assert len(dq) == 2 * 5  # qkv, o, gate, up (split-projections), down per layer; lm_head stays float
     for node in dq:
         assert len(node.input) == 2, "no zero point"
         assert initializers[node.input[0]].data_type == bits

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from fxllm.compiler.targets.ort import (attention_rotary, group_query_attention, int4_zero_points, paged_attention,
-                                        skip_rms_norm, untie_quantized_head)
+                                        skip_rms_norm, split_projections, untie_quantized_head)
 from fxllm.compiler.targets.ort.graph import MS_DOMAIN, remove_unused
 from fxllm.errors import UnsupportedModelError
 from fxllm.runtime.contract import ModelSpec, TensorSig
@@ -46,6 +46,7 @@ STEPS: tuple[Step, ...] = (
     Step(group_query_attention.NAME, group_query_attention.apply),
     Step(attention_rotary.NAME, attention_rotary.apply),
     Step(paged_attention.NAME, paged_attention.apply),
+    Step(split_projections.NAME, split_projections.apply),  # after the steps that read a fused q/k/v whole
     Step(skip_rms_norm.NAME, skip_rms_norm.apply),
 )
 STEP_NAMES = tuple(step.name for step in STEPS)

@@ -67,6 +67,15 @@ class Builder:
         return value
 
 
+def packed_4bit(values: np.ndarray, dtype: ir.DataType, name: str) -> ir.PackedTensor:
+    """4-bit values (0..15 for UINT4, -8..7 for INT4) → an ONNX tensor of `dtype`, two per byte, the first element
+    in the low nibble."""
+    flat = (np.asarray(values).astype(np.int8).ravel() & 0x0F).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    return ir.PackedTensor((flat[0::2] | (flat[1::2] << 4)).astype(np.uint8), dtype, shape=np.shape(values), name=name)
+
+
 def unique_name(graph: ir.Graph, stem: str) -> str:
     """`stem`, or `stem_N` for the first N that no initializer or value of the graph uses yet."""
     taken = set(graph.initializers)

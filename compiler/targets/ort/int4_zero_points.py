@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fxllm.compiler.targets.ort.graph import Builder, constant, copy_shape, producer
+from fxllm.compiler.targets.ort.graph import Builder, constant, copy_shape, packed_4bit, producer
 
 NAME = "int4-zero-points"
 INT4_SUFFIX = "_int4_codes"
@@ -38,8 +38,9 @@ def apply(model: ir.Model, context) -> int:
         if zeros is None:
             continue
         name = dequant.inputs[0].name.removesuffix(INT4_SUFFIX)
-        unsigned = build.initializer(f"{name}_uint4_codes", _uint4(codes.astype(np.int16) + 8, f"{name}_uint4_codes"))
-        zero_points = build.initializer(f"{name}_uint4_zero_points", _uint4(zeros, f"{name}_uint4_zero_points"))
+        codes_name, zeros_name = f"{name}_uint4_codes", f"{name}_uint4_zero_points"
+        unsigned = build.initializer(codes_name, packed_4bit(codes.astype(np.int16) + 8, ir.DataType.UINT4, codes_name))
+        zero_points = build.initializer(zeros_name, packed_4bit(zeros, ir.DataType.UINT4, zeros_name))
         new = build.node("DequantizeLinear", [unsigned, dequant.inputs[1], zero_points],
                          {"axis": 0, "block_size": dequant.attributes.get_int("block_size")}, before=dequant,
                          name=f"{dequant.name}_zp")
@@ -92,11 +93,3 @@ def _integer_zero_points(scales: np.ndarray, offsets: np.ndarray) -> np.ndarray 
         return None
     return zeros.astype(np.uint8)
 
-
-def _uint4(values: np.ndarray, name: str) -> ir.PackedTensor:
-    """0..15 values → an ONNX UINT4 tensor, two per byte, the first element in the low nibble."""
-    flat = values.astype(np.uint8).ravel()
-    if flat.size % 2:
-        flat = np.append(flat, np.uint8(0))
-    packed = (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
-    return ir.PackedTensor(packed, ir.DataType.UINT4, shape=values.shape, name=name)
