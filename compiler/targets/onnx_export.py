@@ -17,6 +17,8 @@ import torch
 from fxllm.compiler.interface import make_input, sample_dims
 from fxllm.compiler.targets.ort import LegalizationContext
 from fxllm.compiler.targets.ort import legalize as ort_legalize
+from fxllm.compiler.targets.ort.graph import packed_4bit
+from fxllm.compiler.targets.ort.int4_zero_points import INT4_SUFFIX
 from fxllm.compiler.program import Program
 from fxllm.compiler.quant.numerics import HALF_SUFFIX
 from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
@@ -191,19 +193,6 @@ def share_rotary_tables(model: ir.Model) -> int:
     return removed
 
 
-INT4_SUFFIX = "_int4_codes"
-
-
-def pack_int4(values) -> bytes:
-    """int values in -8..7 → ONNX INT4 raw bytes: two per byte, the first element in the low nibble."""
-    import numpy as np
-
-    nibbles = (values.astype(np.int8).ravel() & 0x0F).astype(np.uint8)
-    if nibbles.size % 2:
-        nibbles = np.append(nibbles, np.uint8(0))
-    return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
-
-
 def _initializers_feeding(model: ir.Model, op_type: str, suffix: str, blocked: bool = False) -> list[ir.Value]:
     found = []
     for name, value in model.graph.initializers.items():
@@ -220,8 +209,6 @@ def pack_int4_weights(model: ir.Model) -> None:
     """4-bit weights are exported as INT8 initializers holding -8..7 (torch has no int4 buffers); the quantize pass
     names them `*_int4_codes`. Where one feeds blocked DequantizeLinears, store it as packed INT4, two per byte,
     which is what TensorRT and ONNX Runtime's MatMulNBits expect."""
-    import numpy as np
-
     for value in _initializers_feeding(model, "DequantizeLinear", INT4_SUFFIX, blocked=True):
         if value.dtype != ir.DataType.INT8:
             continue
@@ -229,8 +216,7 @@ def pack_int4_weights(model: ir.Model) -> None:
         if values.min() < -8 or values.max() > 7:
             raise UnsupportedModelError(f"initializer '{value.name}' feeds a blocked DequantizeLinear but holds "
                                         "values outside int4")
-        packed = np.frombuffer(pack_int4(values), dtype=np.uint8)
-        value.const_value = ir.PackedTensor(packed, ir.DataType.INT4, shape=values.shape, name=value.name)
+        value.const_value = packed_4bit(values, ir.DataType.INT4, value.name)
         value.dtype = ir.DataType.INT4
 
 

@@ -21,6 +21,7 @@ from fxllm.compiler.targets.ort.graph import Builder, constant, copy_shape, pack
 
 NAME = "int4-zero-points"
 INT4_SUFFIX = "_int4_codes"
+UINT4_CODES_SUFFIX, UINT4_ZERO_POINTS_SUFFIX = "_uint4_codes", "_uint4_zero_points"
 
 
 def apply(model: ir.Model, context) -> int:
@@ -38,7 +39,7 @@ def apply(model: ir.Model, context) -> int:
         if zeros is None:
             continue
         name = dequant.inputs[0].name.removesuffix(INT4_SUFFIX)
-        codes_name, zeros_name = f"{name}_uint4_codes", f"{name}_uint4_zero_points"
+        codes_name, zeros_name = f"{name}{UINT4_CODES_SUFFIX}", f"{name}{UINT4_ZERO_POINTS_SUFFIX}"
         unsigned = build.initializer(codes_name, packed_4bit(codes.astype(np.int16) + 8, ir.DataType.UINT4, codes_name))
         zero_points = build.initializer(zeros_name, packed_4bit(zeros, ir.DataType.UINT4, zeros_name))
         new = build.node("DequantizeLinear", [unsigned, dequant.inputs[1], zero_points],

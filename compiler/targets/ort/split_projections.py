@@ -18,11 +18,15 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from fxllm.compiler.quant.numerics import HALF_SUFFIX
 from fxllm.compiler.targets.ort.graph import Builder, constant, packed_4bit, producer, take_place
+from fxllm.compiler.targets.ort.int4_zero_points import (INT4_SUFFIX, UINT4_CODES_SUFFIX,
+                                                          UINT4_ZERO_POINTS_SUFFIX)
 from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
 
 NAME = "split-projections"
-SUFFIXES = ("_uint4_codes", "_uint4_zero_points", "_int4_codes", "_f16")  # names later lowering steps look for
+# names later lowering steps (pack_int4_weights, store_half_scales) know the initializers by
+SUFFIXES = (UINT4_CODES_SUFFIX, UINT4_ZERO_POINTS_SUFFIX, INT4_SUFFIX, HALF_SUFFIX)
 FOUR_BIT = (ir.DataType.UINT4, ir.DataType.INT4)
 
 
