@@ -84,8 +84,9 @@ class Engine:
              torch_compile: bool = False, unrolled_draft: bool | None = None) -> Engine:
         """backend: "onnxruntime" (any artifact, any machine), "tensorrt" (an artifact with engine.plan) or "torch"
         (a --target torch artifact on `device`, "cpu" or "cuda", optionally through torch.compile).
-        `max_batch` requests run at once; a call computes at most `max_tokens_per_step` prompt tokens (default
-        DEFAULT_TOKENS_PER_STEP: 512 paged, 256 contiguous; a longer prompt is prefilled in several calls). Paged
+        `max_batch` requests run at once; a paged request or a one-row contiguous batch is prefilled in calls of at
+        most `max_tokens_per_step` tokens (default DEFAULT_TOKENS_PER_STEP: 512 paged, 256 contiguous; a batch of
+        several contiguous rows is prefilled in one call, GroupQueryAttention's rule). Paged
         artifacts: the KV pool holds `kv_blocks` blocks, or as many as fit in `kv_cache_memory` bytes (e.g.
         "256MB"; default 512 MiB, at least one full-context sequence); `max_tokens_per_step` is also each
         iteration's admission budget; `prefix_caching` shares full KV blocks between requests with a common
