@@ -232,7 +232,8 @@ def test_sliding_window_blocks_are_released(tokenizer, tmp_path):
 
 
 def test_mistral_window_over_three_windows_of_prompt(tokenizer, tmp_path):
-    """A prompt of more than 3 windows (and 32 tokens on top) equals transformers, contiguous and paged."""
+    """A prompt of more than 3 windows (and 32 tokens on top) equals transformers, contiguous (in one call and in
+    calls shorter than the window) and paged."""
     directory = build_model("mistral", tmp_path / "mistral", tokenizer)
     prompt = " ".join(["one two three four five six seven eight"] * 4)
     assert len(tokenizer(prompt)["input_ids"]) >= 3 * WINDOW
@@ -241,6 +242,8 @@ def test_mistral_window_over_three_windows_of_prompt(tokenizer, tmp_path):
     fxllm.compile(directory, tmp_path / "paged", passes=PAGED)
     for artifact in ("contiguous", "paged"):
         assert engine_tokens(tmp_path / artifact, [prompt])[0] == expected, artifact
+    # the prompt prefilled in calls of 5 tokens: each call's window reaches back into the calls before it
+    assert engine_tokens(tmp_path / "contiguous", [prompt], max_tokens_per_step=5)[0] == expected
     assert fxllm.load(tmp_path / "contiguous").spec.max_positions == COMMON["max_position_embeddings"]
 
 

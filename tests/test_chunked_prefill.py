@@ -41,8 +41,9 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[int(t) for t in rng.integers(100, 40000, n)] for n in lengths]
 
 
-def test_a_contiguous_prompt_prefilled_in_chunks_decodes_as_in_one_call(make_tiny_artifact):
-    artifact = make_tiny_artifact("llama")
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # GroupQueryAttention on a shared buffer; Attention on Concat
+def test_a_contiguous_prompt_prefilled_in_chunks_decodes_as_in_one_call(make_tiny_artifact, arch):
+    artifact = make_tiny_artifact(arch)
     whole = fxllm.load(artifact, threads=1, max_tokens_per_step=4096)
     chunked, calls = recorded(artifact, max_tokens_per_step=15)
     assert not chunked.paged and chunked.selects_logits
