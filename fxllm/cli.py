@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
     p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
     p.add_argument("--max-batch", type=int, default=64, help="paged artifacts: most requests decoded at once")
+    _max_tokens_per_step_flag(p)
     _activation_flags(p)
 
     p = commands.add_parser("inspect", help="show an artifact's passes, I/O, sizes and KV-cache cost")
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=64, help="most requests decoded at once (default 64)")
     p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
     p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
+    _max_tokens_per_step_flag(p)
     p.add_argument("--threads", type=int, help="intra-op threads (default: $OMP_NUM_THREADS if set, else all cores)")
     p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt", "torch"])
     p.add_argument("--device", default="cpu", help="backend torch: cpu (default), cuda or cuda:N")
@@ -197,6 +199,14 @@ def _activation_flags(parser: argparse.ArgumentParser) -> None:
                        help="quantized artifacts: quantize matmul activations to int8 (faster, less exact)")
 
 
+def _max_tokens_per_step_flag(parser: argparse.ArgumentParser) -> None:
+    """--max-tokens-per-step: fxllm.load's max_tokens_per_step (vLLM's --max-num-batched-tokens, llama.cpp's -b)."""
+    parser.add_argument("--max-tokens-per-step", type=int,
+                        help="prompt tokens one model call computes: a longer prompt is prefilled in several calls "
+                             "(default 256 on a contiguous artifact; 512 on a paged one, where it is also each "
+                             "iteration's prefill budget)")
+
+
 def _activations(args) -> bool | None:
     """The int8_activations argument of fxllm.load: an explicit flag, else None (the artifact's recommendation)."""
     return True if args.int8_activations else False if args.float_activations else None
@@ -207,7 +217,8 @@ def cmd_generate(args) -> None:
 
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,
                         kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
-                        int8_activations=_activations(args), device=args.device, torch_compile=args.torch_compile)
+                        max_tokens_per_step=args.max_tokens_per_step, int8_activations=_activations(args),
+                        device=args.device, torch_compile=args.torch_compile)
     paged_only = [flag for flag, value in (("--kv-blocks", args.kv_blocks), ("--kv-cache-memory", args.kv_cache_memory))
                   if value is not None]
     if paged_only and not engine.paged:
@@ -298,7 +309,8 @@ def cmd_serve(args) -> int:
 
     require_serving()
     engine_options = dict(threads=args.threads, backend=args.backend, kv_cache_memory=args.kv_cache_memory,
-                          kv_blocks=args.kv_blocks, max_batch=args.max_batch, int8_activations=_activations(args),
+                          kv_blocks=args.kv_blocks, max_batch=args.max_batch,
+                          max_tokens_per_step=args.max_tokens_per_step, int8_activations=_activations(args),
                           device=args.device, torch_compile=args.torch_compile)
     ray_flags = [flag for flag, given in (("--replicas", args.replicas is not None), ("--autoscale", args.autoscale),
                                           ("--ray-address", args.ray_address), ("--router", args.router != "default"),

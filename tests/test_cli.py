@@ -109,6 +109,28 @@ def test_generate_json_and_inspect(capsys, make_tiny_artifact):
     assert code == 0 and "kv-cache (default)" in out
 
 
+def test_generate_prefills_in_calls_of_max_tokens_per_step(capsys, make_tiny_artifact, monkeypatch):
+    """--max-tokens-per-step reaches the engine: a 40-odd-token prompt in calls of at most 7 tokens gives the tokens
+    of one call."""
+    from fxllm.runtime.backend_ort import OrtBackend
+
+    widths = []
+    run = OrtBackend.run
+    monkeypatch.setattr(OrtBackend, "run", lambda self, feeds: widths.append(feeds["input_ids"].shape[1])
+                        or run(self, feeds))
+    argv = ["generate", str(make_tiny_artifact("llama")), "--prompt", " ".join(["one two three four"] * 10),
+            "--max-new-tokens", "5", "--json"]
+    whole = json.loads(run_cli(capsys, *argv)[1])
+    prompt_length, decode_calls = widths[0], widths[1:]
+    assert prompt_length > 21 and decode_calls == [1] * 4  # the first token comes from the prefill
+    widths.clear()
+    chunked = json.loads(run_cli(capsys, *argv, "--max-tokens-per-step", "7")[1])
+    spans = -(-prompt_length // 7)
+    assert widths[:spans] == [-(-prompt_length // spans)] * (spans - 1) + [widths[spans - 1]]
+    assert max(widths[:spans]) <= 7 and sum(widths[:spans]) == prompt_length and widths[spans:] == decode_calls
+    assert chunked["token_ids"] == whole["token_ids"]
+
+
 def test_console_script_exit_code_and_single_line(tmp_path):
     fxllm_bin = shutil.which("fxllm") or str(__import__("pathlib").Path(sys.executable).parent / "fxllm")
     proc = subprocess.run([fxllm_bin, "generate", str(tmp_path / "none"), "--prompt", "x"], capture_output=True,

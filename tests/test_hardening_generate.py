@@ -227,6 +227,7 @@ def test_manifest_that_is_not_utf8_is_a_user_error(contiguous, tmp_path):
     (["--threads", "0"], "threads must be >= 1, got 0"),
     (["--threads", "-1"], "threads must be >= 1, got -1"),
     (["--max-batch", "0"], "max_batch must be >= 1, got 0"),
+    (["--max-tokens-per-step", "0"], "max_tokens_per_step must be >= 1, got 0"),
     (["--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value: 'abc'"),
     (["--temperature", ""], "argument --temperature: invalid float value: ''"),
     (["--kv-blocks", "4"], "--kv-blocks applies to paged artifacts"),
@@ -371,6 +372,7 @@ CLI_VALID = [(flag, value) for flag, values in {
     "--max-new-tokens": ["1", "3", "5"], "--temperature": ["0", "0.7", "1e-320", "1e-6", "1.5", "1e308"],
     "--top-k": ["0", "1", "40"], "--top-p": ["0.1", "0.9", "1"], "--seed": ["0", "7", "18446744073709551615"],
     "--stop": ["", " ", "e", "\n"], "--threads": ["1", "2"], "--max-batch": ["1", "8"],
+    "--max-tokens-per-step": ["1", "3", "4096"],
     "--kv-blocks": ["128", "512"], "--kv-cache-memory": ["1MB", "64MiB"],  # paged only: exit 1 on contiguous
 }.items() for value in values]
 

@@ -49,7 +49,9 @@ def test_serve_bad_input_is_one_line(serve_artifact, tmp_path):
     try:
         for argv, expected in [((str(tmp_path / "missing"), "--port", "0"), "does not exist"),
                                ((str(serve_artifact), "--port", str(port)), f"cannot listen on 127.0.0.1:{port}"),
-                               ((str(serve_artifact), "--port", "0", "--max-queue", "-1"), "max_queue")]:
+                               ((str(serve_artifact), "--port", "0", "--max-queue", "-1"), "max_queue"),
+                               ((str(serve_artifact), "--port", "0", "--max-tokens-per-step", "0"),
+                                "max_tokens_per_step must be >= 1, got 0")]:
             proc = subprocess.run([FXLLM, "serve", *argv], capture_output=True, text=True, timeout=120)
             lines = proc.stderr.strip().splitlines()
             assert proc.returncode == 1 and len(lines) == 1 and expected in lines[0], (argv, proc.stderr)
