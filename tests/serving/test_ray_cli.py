@@ -59,6 +59,9 @@ def closed_port() -> int:
     (("--replica-cpus", "0"), "--replica-cpus must be > 0"),
     (("--ray-address", f"127.0.0.1:{closed_port()}"), "cannot reach the Ray cluster at 127.0.0.1:"),
     (("--ray-address", "nonsense"), "--ray-address takes HOST:PORT"),
+    (("--max-tokens-per-step", "0"), "max_tokens_per_step must be >= 1, got 0"),  # engine options: before any replica
+    (("--max-batch", "0"), "max_batch must be >= 1, got 0"),
+    (("--kv-cache-memory", "lots"), "cannot read 'lots' as a memory size"),
 ])
 def test_bad_ray_options_are_one_line(long_context_artifact, options, expected):
     tag = uuid.uuid4().hex
