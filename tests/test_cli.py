@@ -114,10 +114,14 @@ def test_generate_prefills_in_calls_of_max_tokens_per_step(capsys, make_tiny_art
     of one call."""
     from fxllm.runtime.backend_ort import OrtBackend
 
-    widths = []
+    widths = []  # tokens fed by each model call
     run = OrtBackend.run
-    monkeypatch.setattr(OrtBackend, "run", lambda self, feeds: widths.append(feeds["input_ids"].shape[1])
-                        or run(self, feeds))
+
+    def recording_run(self, feeds):
+        widths.append(feeds["input_ids"].shape[1])
+        return run(self, feeds)
+
+    monkeypatch.setattr(OrtBackend, "run", recording_run)
     argv = ["generate", str(make_tiny_artifact("llama")), "--prompt", " ".join(["one two three four"] * 10),
             "--max-new-tokens", "5", "--json"]
     whole = json.loads(run_cli(capsys, *argv)[1])

@@ -66,8 +66,10 @@ def serve_on_ray(options: RayServeOptions, **engine_options) -> int:
     replicas = 1 if options.replicas is None else options.replicas
     check_options(replicas, autoscale, options.replica_cpus, options.replica_gpus, options.router, server.max_queue,
                   server.drain_timeout)
-    check_engine_options(*(engine_options.get(name) for name in ("threads", "kv_blocks", "kv_cache_memory")),
-                         engine_options.get("max_batch", 64), engine_options.get("max_tokens_per_step"))
+    check_engine_options(threads=engine_options.get("threads"), kv_blocks=engine_options.get("kv_blocks"),
+                         kv_cache_memory=engine_options.get("kv_cache_memory"),
+                         max_batch=engine_options.get("max_batch", 64),
+                         max_tokens_per_step=engine_options.get("max_tokens_per_step"))
     if isinstance(engine_options.get("kv_cache_memory"), str):
         parse_bytes(engine_options["kv_cache_memory"])  # the replicas would each refuse it, later
     if not 0 <= server.port <= 65535:
