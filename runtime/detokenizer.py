@@ -2,25 +2,43 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
+# Tokens decoded again in front of the new ones: how a token's text joins the text before it (a byte-level
+# character split over tokens, a WordPiece '##' piece, SentencePiece's '▁', a cleaned-up space) depends only on
+# the last few tokens, so decoding that window instead of the whole text keeps a token's cost independent of the
+# text's length (a whole decode per token made a generation quadratic: 0.5 ms a token at 2,048 tokens).
+WINDOW_TOKENS = 6
+# Characters held back when the tokenizer cleans up spaces (transformers' clean_up_tokenization_spaces): a space
+# before "n't" is removed once those three characters arrive, so the last three may still change.
+CLEAN_UP_HOLDBACK = 3
+
 
 class IncrementalDetokenizer:
-    """Streams only text that can no longer change: an open multi-byte character, or a tail that could still grow
-    into a stop string, is held back until it resolves (and flushed by finish())."""
+    """Streams only text that can no longer change: an open multi-byte character, a tail that could still grow
+    into a stop string, or a space a clean-up rule could still remove, is held back until it resolves (and flushed
+    by finish()). `text` equals the tokenizer's decode of every token added (cut before a stop string) whenever it
+    ends in a complete character, and after finish()."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        if getattr(tokenizer, "clean_up_spaces", False):  # " n't", " 's", " ." ...: a later token removes a space
+            self.holdback = max(self.holdback, CLEAN_UP_HOLDBACK)
         self.token_ids: list[int] = []
         self.text = ""  # the generated text so far, cut before a stop string
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that ended the text
+        self._settled = ""  # the decode of token_ids[:self._settled_tokens], which ends in no open character
+        self._settled_tokens = 0
+        self._boundaries = [0]  # every settled token count so far, ascending: where a window may start
 
     def add(self, token_id: int) -> str:
         """Append a token; return the text that became final."""
         self.token_ids.append(token_id)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = self._decoded()
         for stop in self.stop:
             found = text.find(stop, max(0, len(self.text) - len(stop)))  # a stop may straddle two tokens
             if found != -1:  # searched in text already cut by an earlier stop: a later find cuts earlier
@@ -33,8 +51,34 @@ class IncrementalDetokenizer:
         return self._emit_until(max(self.emitted, stable - self.holdback))
 
     def finish(self) -> str:
-        """The rest of the text, including any held-back tail."""
+        """The rest of the text, including any held-back tail (an open character at the end as the whole decode
+        reads it)."""
+        if self.text.endswith("\ufffd") and not self.stopped:
+            self.text = self.tokenizer.decode(self.token_ids)
         return self._emit_until(len(self.text))
+
+    def _decoded(self) -> str:
+        """The decode of every token so far: the settled text, plus what the new tokens add to a decode of a window
+        that starts at a settled point at least WINDOW_TOKENS back (a character boundary, so a byte-fallback run
+        decodes alike in the window and in the whole). The whole sequence is decoded instead where the window
+        could disagree with it: its text does not extend its settled part (a rule reached across the window's
+        start, or its settled tokens decode to nothing), or the new text holds a U+FFFD before its end (an invalid
+        byte, which a byte-fallback decoder resolves over the whole run of byte tokens). A U+FFFD at the end (an
+        open character) stays unsettled: the next tokens decode it again."""
+        decode = self.tokenizer.decode
+        start = self._boundaries[max(0, bisect_right(self._boundaries, self._settled_tokens - WINDOW_TOKENS) - 1)]
+        settled_part = decode(self.token_ids[start:self._settled_tokens])
+        window = decode(self.token_ids[start:])
+        new = window[len(settled_part):]
+        extends = window.startswith(settled_part) and (settled_part or not self._settled)
+        if extends and "\ufffd" not in new.rstrip("\ufffd"):
+            text = self._settled + new
+        else:
+            text = decode(self.token_ids)
+        if not text.endswith("\ufffd"):
+            self._settled, self._settled_tokens = text, len(self.token_ids)
+            self._boundaries.append(self._settled_tokens)
+        return text
 
     def _emit_until(self, end: int) -> str:
         delta = self.text[self.emitted:end]

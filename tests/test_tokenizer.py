@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from fxllm.errors import ArtifactError, GenerationError
+from fxllm.runtime.detokenizer import IncrementalDetokenizer
 from fxllm.runtime.tokenizer import load_tokenizer
 from tests.tokenizer_families import CONVERSATIONS, build_family, parity_strings
 
@@ -64,6 +65,56 @@ def test_decoding_matches_transformers_and_round_trips(pair):
     else:  # normalizers (lowercasing, '▁' handling) lose some text; transformers loses exactly the same
         assert round_trips == sum(reference.decode(reference.encode(t, add_special_tokens=False)) == t
                                   for t in STRINGS)
+
+
+def test_incremental_detokenizer_is_the_whole_decode_at_every_token(pair):
+    """Fed one token at a time, the streaming detokenizer's text equals a decode of every token so far at every
+    token that completes a character (and after finish()), for every parity string (special tokens, byte-level characters split over tokens, '▁' and '##' pieces,
+    cleaned-up spaces) and for random id sequences mixing in special tokens; what it streams adds up to that text.
+    Except for random ids on a byte-fallback vocabulary: there an invalid byte turns the bytes before it in its
+    run into U+FFFD after they were streamed (the decoder resolves a run of byte tokens as a whole)."""
+    import random
+
+    name, ours, _ = pair
+    rng = random.Random(0)
+    specials = sorted({i for i in (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) if i is not None})
+    texts = [ours.encode(text) for text in STRINGS]
+    texts.append(specials * 4 + ours.encode(" after several special tokens", add_special_tokens=False))
+    drawn = [[rng.choice(specials) if specials and rng.random() < 0.15 else rng.randrange(ours.vocab_size)
+              for _ in range(rng.randrange(1, 60))] for _ in range(60)]
+    for ids in texts + drawn:
+        detokenizer, streamed = IncrementalDetokenizer(ours), ""
+        for count, token in enumerate(ids, 1):
+            streamed += detokenizer.add(token)
+            whole = ours.decode(ids[:count])
+            if whole.endswith("\ufffd"):  # an open character: the detokenizer's text ends in one too
+                assert detokenizer.text.endswith("\ufffd"), (name, ids[:count])
+            else:
+                assert detokenizer.text == whole, (name, ids[:count])
+        streamed += detokenizer.finish()
+        assert detokenizer.text == ours.decode(ids), (name, ids)
+        if ids in texts or not name.startswith("llama-spm"):
+            assert streamed == detokenizer.text, (name, ids)
+
+
+def test_a_long_generation_detokenizes_in_windows(tokenizer_dir):
+    """A token's text comes from decoding a few tokens, not the whole text: the decoder sees at most 2 x
+    WINDOW_TOKENS + 1 ids a call however long the text grows (each decode of all ids made a generation
+    quadratic)."""
+    from fxllm.runtime.detokenizer import WINDOW_TOKENS
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    ids = tokenizer.encode(" ".join(STRINGS), add_special_tokens=False)
+    assert len(ids) > 2000
+    lengths = []
+    decode = tokenizer.decode
+    tokenizer.decode = lambda chunk, **kw: lengths.append(len(chunk)) or decode(chunk, **kw)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    for token in ids:
+        detokenizer.add(token)
+    tokenizer.decode = decode
+    assert detokenizer.text == tokenizer.decode(ids)
+    assert max(lengths[2 * WINDOW_TOKENS:]) <= 2 * WINDOW_TOKENS + 1, max(lengths)
 
 
 def test_special_tokens_and_vocabulary_match_transformers(pair):
