@@ -16,8 +16,8 @@ CLEAN_UP_HOLDBACK = 3
 
 class IncrementalDetokenizer:
     """Streams only text that can no longer change: an open multi-byte character, a tail that could still grow
-    into a stop string, or a space a clean-up rule could still remove, is held back until it resolves (and flushed
-    by finish()). `text` equals the tokenizer's decode of every token added (cut before a stop string) whenever it
+    into a stop string, a space a clean-up rule could still remove, or the text of a run of byte-fallback tokens
+    that a later byte could still turn into U+FFFD, is held back until it resolves (and flushed by finish()). `text` equals the tokenizer's decode of every token added (cut before a stop string) whenever it
     ends in a complete character, and after finish()."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
@@ -34,10 +34,18 @@ class IncrementalDetokenizer:
         self._settled = ""  # the decode of token_ids[:self._settled_tokens], which ends in no open character
         self._settled_tokens = 0
         self._boundaries = [0]  # every settled token count so far, ascending: where a window may start
+        self._is_fallback_byte = getattr(tokenizer, "is_fallback_byte", None)
+        self._skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))  # decode drops them: a run goes on
+        self._byte_run_start: int | None = None  # characters of text before the open run of byte-fallback tokens
 
     def add(self, token_id: int) -> str:
         """Append a token; return the text that became final."""
         self.token_ids.append(token_id)
+        if self._is_fallback_byte is not None and token_id not in self._skipped:
+            if not self._is_fallback_byte(token_id):
+                self._byte_run_start = None
+            elif self._byte_run_start is None:
+                self._byte_run_start = len(self.text)
         text = self._decoded()
         for stop in self.stop:
             found = text.find(stop, max(0, len(self.text) - len(stop)))  # a stop may straddle two tokens
@@ -48,6 +56,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return self.finish()
         stable = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
+        if self._byte_run_start is not None:
+            stable = min(stable, self._byte_run_start)
         return self._emit_until(max(self.emitted, stable - self.holdback))
 
     def finish(self) -> str:

@@ -77,6 +77,14 @@ class Tokenizer:
                 return token.replace(self._space_marker, " ").encode("utf-8")
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
+    def is_fallback_byte(self, token_id: int) -> bool:
+        """Whether the id is a byte-fallback token (`<0xNN>` under a ByteFallback decoder): the decoder reads a run of
+        them as one byte string, so a later byte of the run can change the text of the earlier ones."""
+        if "ByteFallback" not in self._decoder_types or int(token_id) in self._added_ids:
+            return False
+        token = self.id_to_token(token_id)
+        return token is not None and _BYTE_FALLBACK_TOKEN.match(token) is not None
+
     # -- special tokens -----------------------------------------------------------------------------------------
 
     def special_token_id(self, name: str) -> int | None:
