@@ -17,8 +17,9 @@ CLEAN_UP_HOLDBACK = 3
 class IncrementalDetokenizer:
     """Streams only text that can no longer change: an open multi-byte character, a tail that could still grow
     into a stop string, a space a clean-up rule could still remove, or the text of a run of byte-fallback tokens
-    that a later byte could still turn into U+FFFD, is held back until it resolves (and flushed by finish()). `text` equals the tokenizer's decode of every token added (cut before a stop string) whenever it
-    ends in a complete character, and after finish()."""
+    that a later byte could still turn into U+FFFD, is held back until it resolves (and flushed by finish()).
+    `text` equals the tokenizer's decode of every token added (cut before a stop string) whenever it ends in a
+    complete character, and after finish()."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
         self.tokenizer = tokenizer

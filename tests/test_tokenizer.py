@@ -69,9 +69,10 @@ def test_decoding_matches_transformers_and_round_trips(pair):
 
 def test_incremental_detokenizer_is_the_whole_decode_at_every_token(pair):
     """Fed one token at a time, the streaming detokenizer's text equals a decode of every token so far at every
-    token that completes a character (and after finish()), for every parity string (special tokens, byte-level characters split over tokens, '▁' and '##' pieces,
-    cleaned-up spaces) and for random id sequences mixing in special tokens (invalid bytes among byte-fallback
-    tokens, which the decoder resolves over their whole run); what it streams adds up to that text."""
+    token that completes a character (and after finish()), for every parity string (special tokens, byte-level
+    characters split over tokens, '▁' and '##' pieces, cleaned-up spaces) and for random id sequences mixing in
+    special tokens (invalid bytes among byte-fallback tokens, which the decoder resolves over their whole run);
+    what it streams adds up to that text."""
     import random
 
     name, ours, _ = pair
@@ -103,14 +104,18 @@ def test_a_long_generation_detokenizes_in_windows(tokenizer_dir):
     tokenizer = load_tokenizer(tokenizer_dir)
     ids = tokenizer.encode(" ".join(STRINGS), add_special_tokens=False)
     assert len(ids) > 2000
-    lengths = []
+    lengths = []  # ids in each decode call
     decode = tokenizer.decode
-    tokenizer.decode = lambda chunk, **kw: lengths.append(len(chunk)) or decode(chunk, **kw)
+
+    def counting_decode(chunk, **options):
+        lengths.append(len(chunk))
+        return decode(chunk, **options)
+
+    tokenizer.decode = counting_decode
     detokenizer = IncrementalDetokenizer(tokenizer)
     for token in ids:
         detokenizer.add(token)
-    tokenizer.decode = decode
-    assert detokenizer.text == tokenizer.decode(ids)
+    assert detokenizer.text == decode(ids)
     assert max(lengths[2 * WINDOW_TOKENS:]) <= 2 * WINDOW_TOKENS + 1, max(lengths)
 
 
