@@ -32,8 +32,7 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that ended the text
-        self._settled = ""  # the decode of token_ids[:self._settled_tokens], which ends in no open character
-        self._settled_tokens = 0
+        self._settled = ""  # the decode of token_ids[:self._boundaries[-1]], which ends in no open character
         self._boundaries = [0]  # every settled token count so far, ascending: where a window may start
         self._is_fallback_byte = getattr(tokenizer, "is_fallback_byte", None)
         self._skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))  # decode drops them: a run goes on
@@ -76,9 +75,9 @@ class IncrementalDetokenizer:
         start, or its settled tokens decode to nothing), or the new text holds a U+FFFD before its end (an invalid
         byte, which a byte-fallback decoder resolves over the whole run of byte tokens). A U+FFFD at the end (an
         open character) stays unsettled: the next tokens decode it again."""
-        decode = self.tokenizer.decode
-        start = self._boundaries[max(0, bisect_right(self._boundaries, self._settled_tokens - WINDOW_TOKENS) - 1)]
-        settled_part = decode(self.token_ids[start:self._settled_tokens])
+        decode, settled_tokens = self.tokenizer.decode, self._boundaries[-1]
+        start = self._boundaries[max(0, bisect_right(self._boundaries, settled_tokens - WINDOW_TOKENS) - 1)]
+        settled_part = decode(self.token_ids[start:settled_tokens])
         window = decode(self.token_ids[start:])
         new = window[len(settled_part):]
         extends = window.startswith(settled_part) and (settled_part or not self._settled)
@@ -87,8 +86,8 @@ class IncrementalDetokenizer:
         else:
             text = decode(self.token_ids)
         if not text.endswith("\ufffd"):
-            self._settled, self._settled_tokens = text, len(self.token_ids)
-            self._boundaries.append(self._settled_tokens)
+            self._settled = text
+            self._boundaries.append(len(self.token_ids))
         return text
 
     def _emit_until(self, end: int) -> str:
