@@ -16,6 +16,7 @@ from typing import Any
 
 from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.checks import describe, flag, integer, text
+from fxllm.runtime.paged_cache import parse_bytes
 from fxllm.runtime.request import SamplingParams
 
 MAX_THREADS = 1024  # more intra-op threads than this is a typo, not a machine
@@ -108,8 +109,8 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_context: in
 def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_memory: Any = None,
                          max_batch: Any = 64, max_tokens_per_step: Any = None, spec_k: Any = None) -> None:
     """Engine.load's numeric options: threads None or 1..MAX_THREADS; kv_blocks None or >= 1; kv_cache_memory
-    None, an int of bytes or a size string ("256MB"); max_batch >= 1; max_tokens_per_step None or >= 1; spec_k None
-    or an int (its range is the artifact's business)."""
+    None, an int of bytes or a size string parse_bytes reads ("256MB"); max_batch >= 1; max_tokens_per_step None
+    or >= 1; spec_k None or an int (its range is the artifact's business)."""
     if threads is not None:
         integer("threads", threads, minimum=1, maximum=MAX_THREADS)
     if kv_blocks is not None:
@@ -118,6 +119,8 @@ def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_me
                                         or not isinstance(kv_cache_memory, (int, str))):
         raise InvalidArgumentError("kv_cache_memory", "kv_cache_memory must be a number of bytes or a size such as "
                                                       f"'256MB', got {describe(kv_cache_memory)}")
+    if isinstance(kv_cache_memory, str):
+        parse_bytes(kv_cache_memory)  # a size string it cannot read is refused here, before anything loads
     integer("max_batch", max_batch, minimum=1)
     if max_tokens_per_step is not None:
         integer("max_tokens_per_step", max_tokens_per_step, minimum=1)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fxllm.errors import FxllmError, MissingDependencyError
-from fxllm.runtime.paged_cache import parse_bytes
 from fxllm.runtime.request_validation import check_engine_options
 from fxllm.serving.ray.app import artifact_name, build_app, check_options, parse_autoscale
 from fxllm.serving.ray.artifacts import is_uri
@@ -70,8 +69,6 @@ def serve_on_ray(options: RayServeOptions, **engine_options) -> int:
                          kv_cache_memory=engine_options.get("kv_cache_memory"),
                          max_batch=engine_options.get("max_batch", 64),
                          max_tokens_per_step=engine_options.get("max_tokens_per_step"))
-    if isinstance(engine_options.get("kv_cache_memory"), str):
-        parse_bytes(engine_options["kv_cache_memory"])  # the replicas would each refuse it, later
     if not 0 <= server.port <= 65535:
         raise FxllmError(f"--port must be between 0 and 65535, got {server.port}")
     require_ray()
