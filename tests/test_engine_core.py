@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -52,6 +54,21 @@ class FailingBackend(WrappedBackend):
         if self.armed_rows is not None and feeds["input_ids"].shape[0] >= self.armed_rows:
             self.armed_rows = None
             raise RuntimeError("injected backend failure\nsecond line")
+        return self.inner.run(feeds)
+
+
+class HoldingBackend(WrappedBackend):
+    """Wraps a real backend; every call waits while `hold()` is true (at most `limit` seconds, so a bug fails the
+    test instead of hanging it). The engine thread cannot run a request to its end before the test acts on it."""
+
+    def __init__(self, inner: Backend, hold, limit: float = 30.0):
+        super().__init__(inner)
+        self.hold, self.limit = hold, limit
+
+    def run(self, feeds):
+        deadline = time.monotonic() + self.limit
+        while self.hold() and time.monotonic() < deadline:
+            time.sleep(0.001)
         return self.inner.run(feeds)
 
 
@@ -108,7 +125,24 @@ def test_sixteen_requests_join_between_steps_and_three_are_aborted(paged_artifac
 def test_thirty_two_coroutines_on_the_async_engine(paged_artifact, alone):
     ids, expected = alone
     engine = fxllm.load(paged_artifact)
-    manager = engine.core.scheduler.manager
+    core, manager, driver = engine.core, engine.core.scheduler.manager, engine.driver
+    # Once a request to abort has 3 tokens, the engine holds until its abort is queued: under CPU contention the
+    # engine thread could otherwise run it to its end before the starved event loop sees its third token.
+    abort_queued = {f"a{i}": threading.Event() for i in ABORTED}
+    queue_abort = driver.queue_abort
+
+    def queue_abort_and_release(request_id: str, notify: bool = True) -> None:
+        queue_abort(request_id, notify)
+        if request_id in abort_queued:
+            abort_queued[request_id].set()
+
+    def a_request_to_abort_waits() -> bool:
+        return any(len(request.output_token_ids) >= 3 and not queued.is_set()
+                   for request_id, queued in abort_queued.items()
+                   if (request := core.get_request(request_id)) is not None)
+
+    driver.queue_abort = queue_abort_and_release
+    engine.runner.backend = HoldingBackend(engine.runner.backend, a_request_to_abort_waits)
 
     async def main():
         server = AsyncEngine(engine)
@@ -117,7 +151,7 @@ def test_thirty_two_coroutines_on_the_async_engine(paged_artifact, alone):
 
         async def client(i: int) -> None:
             await asyncio.sleep(0.003 * i)  # arrivals spread over the run
-            # the aborted ones run long, so they are still running when aborted however slow the machine is
+            # the aborted ones run long: only their abort ends them
             params = SamplingParams(max_tokens=150, ignore_eos=True) if i in ABORTED else SamplingParams(max_tokens=NEW32[i])
             stream = server.generate(ids[i], params, f"a{i}")
             async with contextlib.aclosing(stream):
@@ -126,16 +160,15 @@ def test_thirty_two_coroutines_on_the_async_engine(paged_artifact, alone):
                     if output.finished:
                         outcome[i] = output
                     if i == ABORTED[0] and len(tokens[i]) == 3:
-                        seq_id = engine.core.get_request(f"a{i}").seq_id
+                        seq_id = core.get_request(f"a{i}").seq_id
                         break  # the client goes away: closing the iterator aborts the request
             if i == ABORTED[0]:
                 assert seq_id not in manager  # its blocks are free as soon as the iterator is closed
 
-        tasks = {i: asyncio.create_task(client(i)) for i in range(32)}
-        for i, how in ((ABORTED[1], "cancel"), (ABORTED[2], "abort")):
+        async def end_after_three_tokens(i: int, how: str) -> None:
             while len(tokens[i]) < 3:
                 await asyncio.sleep(0.001)
-            seq_id = engine.core.get_request(f"a{i}").seq_id
+            seq_id = core.get_request(f"a{i}").seq_id
             if how == "cancel":  # a disconnect: the task reading the stream is cancelled
                 tasks[i].cancel()
                 with pytest.raises(asyncio.CancelledError):
@@ -143,6 +176,10 @@ def test_thirty_two_coroutines_on_the_async_engine(paged_artifact, alone):
             else:
                 await server.abort(f"a{i}")
             assert seq_id not in manager
+
+        tasks = {i: asyncio.create_task(client(i)) for i in range(32)}
+        # side by side: the engine holds for whichever of the two reaches 3 tokens first
+        await asyncio.gather(end_after_three_tokens(ABORTED[1], "cancel"), end_after_three_tokens(ABORTED[2], "abort"))
         await asyncio.gather(*(task for i, task in tasks.items() if i != ABORTED[1]))
         assert await server.shutdown(drain_timeout=5.0) == 0
         with pytest.raises(GenerationError, match="shutting down"):
