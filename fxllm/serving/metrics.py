@@ -13,6 +13,9 @@ by the server as each request's outputs reach it (what a client sees, minus the 
 | fxllm_prefix_cache_queries_total / _hits_total | counter | the same as counts |
 | fxllm_preemptions_total | counter | requests preempted for KV space |
 | fxllm_prompt_tokens_total / fxllm_generation_tokens_total | counter | tokens of accepted prompts / tokens generated |
+| fxllm_prefill_computed_tokens_total | counter | prompt tokens the model computed (prefix-cache hits excluded) |
+| fxllm_model_calls_total{kind} | counter | model calls by kind: `prefill` (prompt chunks) or `decode` |
+| fxllm_model_call_seconds_total{kind} | counter | seconds spent in those calls, by kind |
 | fxllm_requests_total{finish_reason} | counter | finished engine requests (one per choice) by finish reason |
 | fxllm_time_to_first_token_seconds | histogram | from admission (body parsed, prompt tokenized) to the first token |
 | fxllm_inter_token_latency_seconds | histogram | between two outputs of a request, per token |
@@ -102,8 +105,17 @@ class _EngineCollector:
                     ("fxllm_prefix_cache_hits", "Prompt blocks found in the prefix cache", s.prefix_cache_hits),
                     ("fxllm_preemptions", "Requests preempted for KV space", s.preemptions),
                     ("fxllm_prompt_tokens", "Prompt tokens of accepted requests", s.prompt_tokens),
-                    ("fxllm_generation_tokens", "Generated tokens", s.generation_tokens)]
+                    ("fxllm_generation_tokens", "Generated tokens", s.generation_tokens),
+                    ("fxllm_prefill_computed_tokens", "Prompt tokens computed by the model (prefix-cache hits "
+                     "excluded)", s.prefill_tokens)]
         for name, documentation, value in counters:
             family = CounterMetricFamily(name, documentation, labels=names)
             family.add_metric(values, value)
+            yield family
+        by_kind = [("fxllm_model_calls", "Model calls by kind", s.prefill_steps, s.decode_steps),
+                   ("fxllm_model_call_seconds", "Seconds in model calls by kind", s.prefill_seconds, s.decode_seconds)]
+        for name, documentation, prefill, decode in by_kind:
+            family = CounterMetricFamily(name, documentation, labels=names + ["kind"])
+            family.add_metric(values + ["prefill"], prefill)
+            family.add_metric(values + ["decode"], decode)
             yield family

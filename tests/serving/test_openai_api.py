@@ -13,7 +13,7 @@ import pytest
 
 from fxllm.runtime.request import SamplingParams
 from tests.conftest import PROMPTS
-from tests.serving.conftest import API_KEY, MODEL
+from tests.serving.conftest import API_KEY, MODEL, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -293,8 +293,25 @@ def test_models_health_and_metrics(client, server, engine):
     for name in ("fxllm_num_requests_running", "fxllm_num_requests_waiting", "fxllm_kv_blocks_used",
                  "fxllm_prefix_cache_hit_rate", "fxllm_preemptions_total", "fxllm_prompt_tokens_total",
                  "fxllm_time_to_first_token_seconds_count", "fxllm_inter_token_latency_seconds_count",
-                 "fxllm_num_requests_admitted", "fxllm_requests_total{finish_reason=length}"):
+                 "fxllm_num_requests_admitted", "fxllm_requests_total{finish_reason=length}",
+                 "fxllm_prefill_computed_tokens_total", "fxllm_model_calls_total{kind=prefill}",
+                 "fxllm_model_calls_total{kind=decode}", "fxllm_model_call_seconds_total{kind=decode}"):
         assert name in metrics, name
+
+
+def test_model_calls_are_counted_by_kind(client, server):
+    """One request alone: one prefill call computing its whole (uncached) prompt, then a decode call a token."""
+    assert wait_until(lambda: server.metrics()["fxllm_num_requests_running"] == 0)
+    before = server.metrics()
+    response = client.completions.create(model=MODEL, prompt="Zebra counting " + PROMPTS[2], max_tokens=6,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    after = server.metrics()
+    grew = {name: after[name] - before.get(name, 0) for name in after if name.startswith("fxllm_model_call")
+            or name == "fxllm_prefill_computed_tokens_total"}
+    assert grew["fxllm_model_calls_total{kind=prefill}"] == 1 and grew["fxllm_model_calls_total{kind=decode}"] == 5
+    assert grew["fxllm_prefill_computed_tokens_total"] == response.usage.prompt_tokens
+    assert grew["fxllm_model_call_seconds_total{kind=prefill}"] > 0
+    assert grew["fxllm_model_call_seconds_total{kind=decode}"] > 0
 
 
 # -- errors -----------------------------------------------------------------------------------------------------------

@@ -11,17 +11,25 @@ from tests.conftest import PROMPTS
 from tests.serving.conftest import ServerProcess
 from tests.test_thin_runtime import COMPILER, Blocked
 
+TOKENS_PER_STEP = 5
+
 
 def test_serve_runs_without_the_compiler(serve_artifact, engine, tmp_path):
     blocked = Blocked(tmp_path / "no-compiler", COMPILE_MODULES + ("tqdm",) + COMPILER)
-    process = ServerProcess(serve_artifact, "--served-model-name", "m", log=tmp_path / "stderr.log", env=blocked.env)
+    process = ServerProcess(serve_artifact, "--served-model-name", "m", "--max-tokens-per-step", str(TOKENS_PER_STEP),
+                            log=tmp_path / "stderr.log", env=blocked.env)
     try:
         client = openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0)
         response = client.completions.create(model="m", prompt=PROMPTS[:2], max_tokens=8, temperature=0)
         chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPTS[0]}],
                                               max_tokens=8, temperature=0)
+        metrics = process.metrics()
     finally:
         assert process.terminate() == 0
+    # the prompts went in calls of at most TOKENS_PER_STEP tokens, and the answers are one call's all the same
+    computed, calls = metrics["fxllm_prefill_computed_tokens_total"], metrics["fxllm_model_calls_total{kind=prefill}"]
+    assert computed > 2 * TOKENS_PER_STEP and calls >= computed / TOKENS_PER_STEP, metrics
+    assert metrics["fxllm_model_calls_total{kind=decode}"] >= 7
     assert [c.text for c in response.choices] == [r.text for r in engine.generate(PROMPTS[:2], max_new_tokens=8)]
     assert chat.choices[0].message.content == engine.generate(PROMPTS[0], max_new_tokens=8, chat=True).text
     assert blocked.attempts_by_fxllm() == []
