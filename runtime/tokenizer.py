@@ -70,9 +70,9 @@ class Tokenizer:
         if int(token_id) not in self._added_ids:
             if self._byte_level and all(char in _UNICODE_TO_BYTE for char in token):
                 return bytes(_UNICODE_TO_BYTE[char] for char in token)
-            match = _BYTE_FALLBACK_TOKEN.match(token)
-            if match and "ByteFallback" in self._decoder_types:
-                return bytes([int(match.group(1), 16)])
+            byte = self._fallback_byte(token_id)
+            if byte is not None:
+                return bytes([byte])
             if self._space_marker:
                 return token.replace(self._space_marker, " ").encode("utf-8")
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
@@ -80,10 +80,15 @@ class Tokenizer:
     def is_fallback_byte(self, token_id: int) -> bool:
         """Whether the id is a byte-fallback token (`<0xNN>` under a ByteFallback decoder): the decoder reads a run of
         them as one byte string, so a later byte of the run can change the text of the earlier ones."""
+        return self._fallback_byte(token_id) is not None
+
+    def _fallback_byte(self, token_id: int) -> int | None:
+        """The byte a byte-fallback token stands for; None for any other id."""
         if "ByteFallback" not in self._decoder_types or int(token_id) in self._added_ids:
-            return False
+            return None
         token = self.id_to_token(token_id)
-        return token is not None and _BYTE_FALLBACK_TOKEN.match(token) is not None
+        match = _BYTE_FALLBACK_TOKEN.match(token) if token is not None else None
+        return int(match.group(1), 16) if match else None
 
     # -- special tokens -----------------------------------------------------------------------------------------
 
