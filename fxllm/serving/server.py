@@ -4,8 +4,8 @@ The socket is bound first (a port in use is a one-line error before a long load)
 artifact or option is a one-line error; connections made meanwhile wait in the listen backlog), then uvicorn serves
 the app; the URL is printed on stdout once requests are accepted. SIGTERM (or Ctrl-C) at once turns the service
 off (a request still arriving on an open connection gets 503, /health says "shutting down"), stops accepting
-connections, lets running requests finish for up to `drain_timeout` seconds, aborts what is left, and returns 0
-(Ctrl-C: the CLI's 130).
+connections, lets running requests finish for up to `drain_timeout` seconds, aborts what is left (their clients
+get a 503, or an error event and [DONE] in a stream), and returns 0 (Ctrl-C: the CLI's 130).
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def serve(options: ServeOptions, **engine_options) -> int:
         raise
     service = OpenAIService(AsyncEngine(engine), config)
     app = create_app(lambda: service, api_key=options.api_key)
-    server = _draining_server(service, uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log,
-                                                      lifespan="off", timeout_graceful_shutdown=options.drain_timeout))
+    config = uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log, lifespan="off",
+                            timeout_graceful_shutdown=options.drain_timeout + ABORT_GRACE)
+    server = _draining_server(service, config, options.drain_timeout)
     # uvicorn re-raises the signal that stopped it once it has drained; with this handler in place beforehand, a
     # SIGTERM then ends the process normally (exit 0) instead of killing it.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -70,19 +71,43 @@ def serve(options: ServeOptions, **engine_options) -> int:
     return 0
 
 
-def _draining_server(service, config):
-    """A uvicorn.Server whose exit signal first stops the service accepting requests (before uvicorn drains)."""
+ABORT_GRACE = 5.0  # seconds uvicorn waits after the drain timeout, for the aborted requests' answers to be written
+
+
+def _draining_server(service, config, drain_timeout: float):
+    """A uvicorn.Server whose exit signal first stops the service accepting requests (before uvicorn drains), and
+    `drain_timeout` seconds later aborts the engine requests still running, so that their clients get the OpenAI
+    error (503, or an error event and [DONE] in a stream) before uvicorn cancels what is left after ABORT_GRACE
+    (which would answer a plain-text 500 or cut a stream)."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None  # set by _run
+        _aborting: asyncio.TimerHandle | None = None
+
         def handle_exit(self, sig, frame) -> None:
             service.stop_accepting()
+            if self.loop is not None and self._aborting is None:
+                self.loop.call_soon_threadsafe(self._abort_later)
             super().handle_exit(sig, frame)
+
+        def _abort_later(self) -> None:
+            if self._aborting is None:
+                self._aborting = self.loop.call_later(drain_timeout, self._abort)
+
+        def _abort(self) -> None:
+            task = self.loop.create_task(service.engine.shutdown(drain_timeout=0))
+            _PENDING.add(task)
+            task.add_done_callback(_PENDING.discard)
 
     return DrainingServer(config)
 
 
+_PENDING: set[asyncio.Task] = set()  # strong references to the abort tasks: the event loop keeps only weak ones
+
+
 async def _run(server, service, sock: socket.socket, name: str) -> None:
+    server.loop = asyncio.get_running_loop()
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)

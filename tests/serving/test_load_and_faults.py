@@ -234,19 +234,22 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
 
 
 def test_drain_timeout_bounds_the_shutdown(serve_artifact, tmp_path):
-    """With --drain-timeout 0 a running stream is cut at SIGTERM (no [DONE]) and the process still exits 0."""
+    """With --drain-timeout 0, SIGTERM aborts at once a running stream (an OpenAI error event, then [DONE]) and a
+    queued non-streamed request (503 with the error body, not uvicorn's plain-text 500), and the process exits 0."""
     process = ServerProcess(serve_artifact, "--max-batch", "1", "--drain-timeout", "0", log=tmp_path / "stderr.log")
-    with httpx.Client(base_url=process.url, timeout=60) as client:
-        body = {"model": "artifact", "prompt": "Hi", "max_tokens": 240, "temperature": 0, "stream": True}
-        with client.stream("POST", "/completions", json=body) as response:
+    body = {"model": "artifact", "prompt": "Hi", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=process.url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
+        with client.stream("POST", "/completions", json={**body, "stream": True}) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line).startswith("data: {")
+            queued = pool.submit(httpx.post, f"{process.url}/completions", json=body, timeout=60)
+            assert wait_until(lambda: process.metrics()["fxllm_num_requests_waiting"] == 1)
             start = time.monotonic()
             process.proc.send_signal(signal.SIGTERM)
-            try:
-                events = rest_of(lines)
-            except httpx.HTTPError:  # the connection was closed mid-body
-                events = []
-    assert "data: [DONE]" not in events
+            events = rest_of(lines)
+        answer = queued.result()
+    assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2].removeprefix("data: "))["error"][
+        "message"], events[-3:]
+    assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"], answer.text
     assert process.proc.wait(30) == 0
     assert time.monotonic() - start < 10
