@@ -46,7 +46,9 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS) as transformers does."""
         if not isinstance(text, str):
             raise GenerationError(f"can only tokenize text, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, unlike encode, releases the GIL while it works: a server tokenizing a long prompt on a
+        # worker thread keeps its event loop running
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; ids outside the vocabulary decode to nothing."""

@@ -40,9 +40,9 @@ async def create_chat_completion(service: OpenAIService,
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     top = (request.top_logprobs or 0) if request.logprobs else None
-    prompt_ids = service.encode_chat(template_messages(request.messages))
+    prompt_ids = await service.encode_chat(template_messages(request.messages))
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    params = sampling_params(request, n, max_new_tokens(requested, len(prompt_ids), service.max_context),
+    params = sampling_params(request, n, max_new_tokens(requested, len(prompt_ids), service.max_sequence_tokens),
                              logprobs=top)
     writer = ChatWriter(service, request, len(prompt_ids), n, f"chatcmpl-{uuid.uuid4().hex}")
     return await respond(writer, service.start([Choice(i, prompt_ids, params[i]) for i in range(n)], writer.id),

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fxllm.serving.errors import APIError
-from fxllm.serving.logprobs import TokenTexts, completion_logprobs, end_offset, extend, first_prompt_position
+from fxllm.serving.logprobs import TextOffsets, TokenTexts, completion_logprobs, extend, first_prompt_position
 from fxllm.serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from fxllm.serving.run import GenerationRun
 from fxllm.serving.sampling import check_supported, choices_per_prompt, max_new_tokens, sampling_params
@@ -31,7 +31,7 @@ class Prompt:
 class _ChoiceState:
     text: list[str] = field(default_factory=list)
     logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)  # all positions so far
-    offset: int = 0  # characters of the choice's text so far (logprobs' text_offset)
+    offsets: TextOffsets = field(default_factory=TextOffsets)  # logprobs' text_offset: characters so far
     started: bool = False
     finish_reason: str | None = None
     output_tokens: int = 0
@@ -41,26 +41,26 @@ async def create_completion(service: OpenAIService, request: CompletionRequest) 
     service.check_model(request.model)
     check_supported(request)
     n = choices_per_prompt(request.n)
-    prompts = read_prompts(service, request.prompt)
+    prompts = await read_prompts(service, request.prompt)
     top = request.logprobs
     choices = []
     for p, prompt in enumerate(prompts):
-        limit = max_new_tokens(request.max_tokens, len(prompt.token_ids), service.max_context)
+        limit = max_new_tokens(request.max_tokens, len(prompt.token_ids), service.max_sequence_tokens)
         params = sampling_params(request, n, limit, logprobs=top, prompt_logprobs=top if request.echo else None)
         choices += [Choice(p * n + i, prompt.token_ids, params[i]) for i in range(n)]
     writer = CompletionWriter(service, request, prompts, n, f"cmpl-{uuid.uuid4().hex}")
     return await respond(writer, service.start(choices, writer.id), bool(request.stream))
 
 
-def read_prompts(service: OpenAIService, prompt) -> list[Prompt]:
+async def read_prompts(service: OpenAIService, prompt) -> list[Prompt]:
     if isinstance(prompt, str):
-        return [Prompt(prompt, service.encode(prompt))]
+        return [Prompt(prompt, await service.encode(prompt))]
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
     if all(isinstance(item, int) for item in prompt):
         return [Prompt(None, list(prompt))]
     if all(isinstance(item, str) for item in prompt):
-        return [Prompt(text, service.encode(text)) for text in prompt]
+        return [Prompt(text, await service.encode(text)) for text in prompt]
     return [Prompt(None, list(ids)) for ids in prompt]
 
 
@@ -86,13 +86,12 @@ class CompletionWriter:
                     prompt.text = self.service.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
                 text = prompt.text + text
                 if self.request.logprobs is not None and output.prompt_logprobs is not None:
-                    first = first_prompt_position(self.texts, prompt.token_ids[0])
-                    logprobs = extend(first, completion_logprobs(self.texts, output.prompt_logprobs[1:],
-                                                                 end_offset(first)))
-                state.offset = len(prompt.text)
+                    in_prompt = TextOffsets()
+                    first = first_prompt_position(self.texts, prompt.token_ids[0], in_prompt)
+                    logprobs = extend(first, completion_logprobs(self.texts, output.prompt_logprobs[1:], in_prompt))
+                state.offsets = TextOffsets(len(prompt.text))
         if output.logprobs is not None:
-            generated = completion_logprobs(self.texts, output.logprobs, state.offset)
-            state.offset = end_offset(generated) if generated.tokens else state.offset
+            generated = completion_logprobs(self.texts, output.logprobs, state.offsets)
             logprobs = generated if logprobs is None else extend(logprobs, generated)
         state.text.append(text)
         if logprobs is not None:

@@ -55,6 +55,9 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI error body; a lone surrogate echoed from the request (`\ud800` in its JSON) is written escaped, so
+    the body always encodes as UTF-8."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
                       "code": code}}
 

@@ -9,6 +9,7 @@ coincide share one key there.
 
 from __future__ import annotations
 
+import codecs
 from functools import lru_cache
 
 from fxllm.runtime.request import TokenLogprobs
@@ -33,8 +34,24 @@ class TokenTexts:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def completion_logprobs(texts: TokenTexts, positions: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
-    """Positions from character `offset` of the choice's text on."""
+class TextOffsets:
+    """`text_offset`s of a choice's tokens: the characters of its text completed before each token. A token holding
+    part of a multi-byte character adds no character; the token that completes it adds the whole character (as
+    the text's own UTF-8 decode does, invalid bytes becoming U+FFFD)."""
+
+    def __init__(self, start: int = 0):
+        self.chars = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset of a token of these bytes; moves past them."""
+        offset = self.chars
+        self.chars += len(self._decoder.decode(raw))
+        return offset
+
+
+def completion_logprobs(texts: TokenTexts, positions: list[TokenLogprobs], offsets: TextOffsets) -> CompletionLogprobs:
+    """Positions at the choice's next characters (`offsets` moves past them)."""
     result = CompletionLogprobs()
     for position in positions:
         token = texts.text(position.token_id)
@@ -43,15 +60,14 @@ def completion_logprobs(texts: TokenTexts, positions: list[TokenLogprobs], offse
         result.tokens.append(token)
         result.token_logprobs.append(position.logprob)
         result.top_logprobs.append(top)
-        result.text_offset.append(offset)
-        offset += len(token)
+        result.text_offset.append(offsets.advance(texts.bytes(position.token_id)))
     return result
 
 
-def first_prompt_position(texts: TokenTexts, token_id: int) -> CompletionLogprobs:
+def first_prompt_position(texts: TokenTexts, token_id: int, offsets: TextOffsets) -> CompletionLogprobs:
     """The first prompt token (echo): its text, no logprob."""
-    token = texts.text(token_id)
-    return CompletionLogprobs(tokens=[token], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+    return CompletionLogprobs(tokens=[texts.text(token_id)], token_logprobs=[None], top_logprobs=[None],
+                              text_offset=[offsets.advance(texts.bytes(token_id))])
 
 
 def extend(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
@@ -61,11 +77,6 @@ def extend(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
     a.tokens.extend(b.tokens)
     a.top_logprobs.extend(b.top_logprobs)
     return a
-
-
-def end_offset(logprobs: CompletionLogprobs) -> int:
-    """The character offset after the last token."""
-    return logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else 0
 
 
 def chat_logprobs(texts: TokenTexts, positions: list[TokenLogprobs]) -> list[TokenLogprob]:

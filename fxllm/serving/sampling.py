@@ -61,7 +61,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, n: int, 
         raise bad_request(exc) from None
 
 
-def max_new_tokens(requested: int | None, prompt_length: int, max_context: int) -> int:
-    """The request's max_tokens, or what the context leaves after the prompt (at least 1, so that a prompt with
-    no room gets the engine's own message)."""
-    return max(max_context - prompt_length, 1) if requested is None else requested
+def max_new_tokens(requested: int | None, prompt_length: int, max_sequence_tokens: int) -> int:
+    """The request's max_tokens, or what one sequence's room (the context, or a smaller KV pool) leaves after the
+    prompt (at least 1, so that a prompt with no room gets the engine's own message)."""
+    return max(max_sequence_tokens - prompt_length, 1) if requested is None else requested

@@ -9,10 +9,12 @@ that alone asks for more than that gets 400 (retrying would not help).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
 from fxllm.errors import GenerationError
+from fxllm.runtime import checks
 from fxllm.runtime.async_engine import AsyncEngine
 from fxllm.runtime.request import SamplingParams
 from fxllm.serving.errors import APIError, bad_request
@@ -49,10 +51,14 @@ class Choice:
     params: SamplingParams
 
 
+MAX_NAME_SHOWN = 100  # characters of an unknown model name that its 404 repeats
+
+
 def check_model_name(served: tuple[str, ...], name: str) -> None:
     """404 unless `name` is one of the served names."""
     if name not in served:
-        raise APIError(404, f"the model '{name}' does not exist; this server serves "
+        shown = name if len(name) <= MAX_NAME_SHOWN else name[:MAX_NAME_SHOWN] + "..."
+        raise APIError(404, f"the model '{shown}' does not exist; this server serves "
                             f"{', '.join(repr(n) for n in served)}", param="model", code="model_not_found")
 
 
@@ -63,6 +69,10 @@ class OpenAIService:
         self.core = engine.engine.core
         self.tokenizer = engine.engine.tokenizer
         self.max_context: int = engine.engine.max_context
+        # the most tokens one sequence can hold: what a request without max_tokens may fill (a KV pool smaller
+        # than the context would refuse a default of "the rest of the context")
+        pool = engine.engine.capacity_tokens() if engine.engine.paged else self.max_context
+        self.max_sequence_tokens: int = min(self.max_context, pool)
         self.max_batch: int = engine.engine.max_batch
         self.created = int(time.time())
         labels = {"model_name": self.model_id} if metric_labels is None else metric_labels
@@ -122,20 +132,26 @@ class OpenAIService:
 
     # -- tokenization -------------------------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    # Both run on a worker thread: a prompt near the body size limit takes seconds to tokenize, and the event loop
+    # must go on streaming the other requests meanwhile (the tokenizer releases the GIL while it works).
+
+    async def encode(self, text: str) -> list[int]:
         """A completion prompt's token ids, as Engine.generate tokenizes it."""
         try:
-            return self.core.encode(text)
+            return await asyncio.to_thread(self.core.encode, text)
         except GenerationError as exc:
             raise bad_request(exc) from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
         """A conversation through the model's chat template, as Engine.generate(chat=True) tokenizes it."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return await asyncio.to_thread(self._encode_chat, messages)
         except GenerationError as exc:
             raise APIError(400, str(exc), param="messages") from None
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        text = checks.text("messages", self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- admission ----------------------------------------------------------------------------------------------------
 

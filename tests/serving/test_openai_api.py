@@ -343,6 +343,71 @@ def test_completion_errors(server, body, status, param):
     assert error_of(response)["param"] == param
 
 
+def test_lone_surrogates_are_refused_in_one_line(server):
+    """A lone surrogate (legal in JSON as `\\ud800`, not encodable as UTF-8) in the model name is its 404, with the
+    name escaped; in a chat message a 400 naming `messages`, as in a completion prompt one naming `prompt`. The
+    keep-alive connection keeps serving."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
+        for route, content, status, param in (
+                ("/completions", '{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}', 404, "model"),
+                ("/chat/completions", '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', 404,
+                 "model"),
+                ("/chat/completions", '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": '
+                                      '"hi \\ud800"}]}' % MODEL, 400, "messages"),
+                ("/chat/completions", '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": '
+                                      '[{"type": "text", "text": "\\udc00"}]}]}' % MODEL, 400, "messages"),
+                ("/completions", '{"model": "%s", "prompt": "a\\ud800", "max_tokens": 2}' % MODEL, 400, "prompt")):
+            response = client.post(route, content=content)
+            assert response.status_code == status and error_of(response)["param"] == param, response.text
+        assert "\\ud800" in client.post("/completions", content='{"model": "\\ud800", "prompt": "x"}').json()[
+            "error"]["message"]
+        assert client.post("/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_an_unknown_model_name_is_not_repeated_whole(server):
+    response = httpx.post(f"{server.url}/completions", json={"model": "m" * 60_000, "prompt": "x"},
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 404 and len(error_of(response)["message"]) < 300
+
+
+def test_text_offsets_count_characters_of_the_text(client):
+    """text_offset is where each token starts in the choice's text, in characters: tokens holding part of a
+    multi-byte character (emoji, CJK) add no character until the one that completes it."""
+    for prompt, echo in (("I love 🦜🦜 and 中文 ok", True), ("Emoji list: 🦜", False)):
+        choice = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                                           echo=echo).choices[0]
+        offsets, tokens, text = choice.logprobs.text_offset, choice.logprobs.tokens, choice.text
+        assert offsets == sorted(offsets) and offsets[-1] <= len(text), (offsets, text)
+        for offset, token in zip(offsets, tokens):
+            if not token.startswith("bytes:"):
+                assert text[offset: offset + len(token)] == token, (offset, token, text)
+        if echo:
+            assert any(token.startswith("bytes:") for token in tokens)  # the emoji came in pieces
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    """A prompt near the body limit takes seconds to tokenize; meanwhile the server answers others (before it,
+    /health waited until that prompt's 400)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 700_000}]}
+    finished = []
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=120) as client:
+            async def request(name, coroutine):
+                response = await coroutine
+                finished.append((name, response.status_code))
+
+            big = asyncio.create_task(request("huge", client.post("/chat/completions", json=huge)))
+            await asyncio.sleep(0.3)  # the body has arrived: its tokenization is under way
+            await request("health", client.get(f"{server.root}/health"))
+            await big
+
+    asyncio.run(main())
+    assert finished == [("health", 200), ("huge", 400)]
+
+
 def test_error_statuses_through_the_client(client, server):
     """Each status as the openai client reports it, and the server keeps serving after all of them."""
     cases = [

@@ -12,17 +12,21 @@ from tests.serving.conftest import ServerProcess
 from tests.test_thin_runtime import COMPILER, Blocked
 
 TOKENS_PER_STEP = 5
+KV_BLOCKS = 40  # of 4 tokens: a pool of 160 tokens, under the context of 256
 
 
 def test_serve_runs_without_the_compiler(serve_artifact, engine, tmp_path):
     blocked = Blocked(tmp_path / "no-compiler", COMPILE_MODULES + ("tqdm",) + COMPILER)
     process = ServerProcess(serve_artifact, "--served-model-name", "m", "--max-tokens-per-step", str(TOKENS_PER_STEP),
-                            log=tmp_path / "stderr.log", env=blocked.env)
+                            "--kv-blocks", str(KV_BLOCKS), log=tmp_path / "stderr.log", env=blocked.env)
     try:
         client = openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0)
         response = client.completions.create(model="m", prompt=PROMPTS[:2], max_tokens=8, temperature=0)
         chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPTS[0]}],
                                               max_tokens=8, temperature=0)
+        # no max_tokens: what the pool (160 tokens) leaves after the prompt, not the context (256)
+        unbounded = client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                                   temperature=0, extra_body={"ignore_eos": True})
         metrics = process.metrics()
     finally:
         assert process.terminate() == 0
@@ -33,6 +37,7 @@ def test_serve_runs_without_the_compiler(serve_artifact, engine, tmp_path):
     assert [c.text for c in response.choices] == [r.text for r in engine.generate(PROMPTS[:2], max_new_tokens=8)]
     assert chat.choices[0].message.content == engine.generate(PROMPTS[0], max_new_tokens=8, chat=True).text
     assert blocked.attempts_by_fxllm() == []
+    assert unbounded.choices[0].finish_reason == "length" and unbounded.usage.total_tokens == KV_BLOCKS * 4
 
 
 def test_serve_without_the_extra_names_it(serve_artifact, tmp_path):
