@@ -19,6 +19,7 @@ import numpy as np
 from fxllm.errors import ArtifactError, MissingDependencyError
 from fxllm.runtime.contract import CONTRACT_METADATA_KEY, LOGITS, parse_cache_name
 from fxllm.runtime.manifest import Manifest
+from fxllm.runtime.pt2_archive import check_no_pickled_code
 
 TORCH_HINT = "install torch (`pip install 'fxllm[compile]'` brings it; a CUDA build of torch for device='cuda')"
 
@@ -66,6 +67,7 @@ class TorchBackend:
         self.device = resolve_device(torch, device)
         if threads:
             torch.set_num_threads(threads)
+        check_no_pickled_code(torch, manifest.model_file)
         extra = {CONTRACT_METADATA_KEY: ""}
         try:
             exported = torch.export.load(str(manifest.model_file), extra_files=extra)

@@ -161,3 +161,61 @@ def test_smollm2_torch_target_matches_ort_target(smollm2_artifact, tmp_path_fact
 def test_torch_compile_gives_the_same_tokens(make_torch_artifact, ort_tokens):
     engine = fxllm.load(make_torch_artifact("llama"), backend="torch", torch_compile=True, threads=1)
     assert greedy(engine, PROMPTS[:2], batched=False) == ort_tokens[:2]
+
+
+class RunsCode:
+    """Unpickling this writes a file: the proof that an archive's pickle ran."""
+
+    def __init__(self, proof):
+        self.proof = str(proof)
+
+    def __reduce__(self):
+        return (eval, (f"__import__('pathlib').Path({self.proof!r}).write_text('ran') and __import__('torch').zeros(8)",))
+
+
+def rewritten_archive(source, target, rewrite) -> None:
+    """A copy of the zip archive `source` at `target`, each entry's bytes passed through rewrite(name, data)."""
+    import zipfile
+
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as new:
+        for info in old.infolist():
+            new.writestr(info, rewrite(info.filename, old.read(info.filename)))
+
+
+@pytest.mark.parametrize("where", ["weight", "sample_inputs"])
+def test_an_archive_holding_a_pickle_is_refused_before_it_runs(make_torch_artifact, tmp_path, where):
+    """A tampered model.pt2 (its checksums rewritten too, as anyone handing over an artifact can: here verify=False)
+    whose weight is marked `use_pickle`, or whose sample inputs are a pickle weights_only refuses (torch would retry
+    without it): refused with one line, and the pickle never runs."""
+    import io
+    import json
+    import shutil
+
+    artifact = tmp_path / "artifact"
+    shutil.copytree(make_torch_artifact("llama"), artifact)
+    proof = tmp_path / "proof"
+    payload = io.BytesIO()
+    torch.save(RunsCode(proof), payload)
+    pt2 = artifact / "model.pt2"
+    original = tmp_path / "original.pt2"
+    pt2.rename(original)
+    poisoned = {}
+
+    def rewrite(name: str, data: bytes) -> bytes:
+        if where == "weight" and name.endswith("_weights_config.json"):
+            config = json.loads(data)
+            fqn = next(iter(config["config"]))
+            config["config"][fqn]["use_pickle"] = True
+            poisoned["name"] = config["config"][fqn]["path_name"]
+            return json.dumps(config).encode()
+        if where == "weight" and name.endswith(f"/{poisoned.get('name')}"):
+            return payload.getvalue()
+        if where == "sample_inputs" and "/sample_inputs/" in name:
+            return payload.getvalue()
+        return data
+
+    rewritten_archive(original, tmp_path / "first.pt2", rewrite)  # learns the poisoned weight's file name
+    rewritten_archive(original, pt2, rewrite)
+    with pytest.raises(ArtifactError, match="could run arbitrary code") as refused:
+        fxllm.load(artifact, backend="torch", verify=False)
+    assert "\n" not in str(refused.value) and not proof.exists()
