@@ -249,6 +249,9 @@ def _speculative(data: Any, fields_: _Fields) -> SpeculativePlan | None:
         fields_.fail("speculative.draft", f"must {'not ' if data['mode'] == 'ngram' else ''}name a draft directory "
                                           f"in mode {data['mode']}")
     path = confine(fields_.directory, draft, "speculative.draft") if draft is not None else None
+    if path is not None and path == fields_.directory.resolve():  # the draft would load itself, without end
+        fields_.fail("speculative.draft", "must name a subdirectory holding the draft artifact, not the artifact "
+                                          "itself")
     return SpeculativePlan(data["mode"], k, path)
 
 

@@ -61,6 +61,15 @@ def test_paths_outside_the_artifact_are_refused(artifact, outside, field, value)
             action(artifact)
 
 
+@pytest.mark.parametrize("draft", [".", "./", "self"])
+def test_a_draft_that_is_the_artifact_itself_is_refused(artifact, draft):
+    """A draft naming the artifact (directly, or through a symlink to it) would load itself without end."""
+    (artifact / "self").symlink_to(artifact.resolve(), target_is_directory=True)
+    _edit(artifact, lambda m: m.update({"speculative": {"mode": "model", "k": 4, "draft": draft}}))
+    with pytest.raises(ArtifactError, match="field 'speculative.draft' must name a subdirectory"):
+        fxllm.load(artifact, verify=False)
+
+
 def test_symlinks_resolving_outside_are_refused(artifact, outside):
     shutil.rmtree(artifact / "tokenizer")
     (artifact / "tokenizer").symlink_to(outside, target_is_directory=True)
