@@ -32,6 +32,9 @@ def check_tokenizer_dir(manifest: Manifest) -> None:
     root = manifest.directory.resolve()
     for path in sorted(manifest.tokenizer_dir.rglob("*")):
         relative = path.relative_to(root).as_posix()
+        if not path.is_dir() and not path.is_file():  # a FIFO, socket or device: reading it could block forever
+            raise ArtifactError(f"'{relative}' in the artifact's tokenizer directory is not a regular file; remove it "
+                                "or recompile")
         if (path.is_file() or path.is_symlink()) and relative not in manifest.files:
             raise ArtifactError(f"'{relative}' in the artifact's tokenizer directory is not part of the artifact (the "
                                 "manifest does not list it); remove it or recompile")

@@ -105,6 +105,8 @@ def chat_templates(directory: Path, config: dict[str, Any]) -> str | dict[str, s
 
 
 def read_text(path: Path) -> str:
+    if path.exists() and not path.is_file():  # a FIFO or device would block the read
+        raise ArtifactError(f"cannot read {path}: not a regular file")
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -70,6 +70,17 @@ def test_a_draft_that_is_the_artifact_itself_is_refused(artifact, draft):
         fxllm.load(artifact, verify=False)
 
 
+@pytest.mark.parametrize("where", ["additional_chat_templates/x.jinja", "other"])
+def test_a_fifo_in_the_tokenizer_directory_is_refused(artifact, where):
+    """Reading a FIFO blocks until someone writes to it: loading would hang (the chat templates are read by glob)."""
+    fifo = artifact / "tokenizer" / where
+    fifo.parent.mkdir(exist_ok=True)
+    os.mkfifo(fifo)
+    for verify in (True, False):
+        with pytest.raises(ArtifactError, match="is not a regular file"):
+            fxllm.load(artifact, verify=verify)
+
+
 def test_symlinks_resolving_outside_are_refused(artifact, outside):
     shutil.rmtree(artifact / "tokenizer")
     (artifact / "tokenizer").symlink_to(outside, target_is_directory=True)
