@@ -1,13 +1,14 @@
 """Chat templates rendered without transformers, with the same semantics as its `apply_chat_template`.
 
 A template is untrusted code from the model's author: it runs in jinja2's ImmutableSandboxedEnvironment (templates
-cannot mutate their inputs or reach Python internals) with `trim_blocks` and `lstrip_blocks` on, the loop-controls
-extension (`{% break %}`, `{% continue %}`), and the names templates written for transformers expect:
-`raise_exception(message)`, `strftime_now(format)`, a `tojson` filter that does not HTML-escape, `dict(...)`, and a
-`namespace(...)` that refuses underscore-prefixed attributes. `{% generation %}` blocks (assistant-mask markers)
-render their body unchanged. The template sees `messages`, `tools`, `documents`, `add_generation_prompt`, the
-tokenizer's named special tokens (`bos_token`, `eos_token`, ...) and any extra keyword arguments, which take
-precedence over the special tokens. Inputs are rebuilt from plain JSON types before the template sees them.
+cannot mutate their inputs or reach Python internals) within a time and size budget (runtime/template_budget.py),
+with `trim_blocks` and `lstrip_blocks` on, the loop-controls extension (`{% break %}`, `{% continue %}`), and the
+names templates written for transformers expect: `raise_exception(message)`, `strftime_now(format)`, a `tojson`
+filter that does not HTML-escape, `dict(...)`, and a `namespace(...)` that refuses underscore-prefixed attributes.
+`{% generation %}` blocks (assistant-mask markers) render their body unchanged. The template sees `messages`, `tools`,
+`documents`, `add_generation_prompt`, the tokenizer's named special tokens (`bos_token`, `eos_token`, ...) and any extra
+keyword arguments, which take precedence over the special tokens. Inputs are rebuilt from plain JSON types before the
+template sees them.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from fxllm.errors import GenerationError
+from fxllm.runtime.template_budget import BudgetedSandbox, RenderTimeout, render_within
 
+RENDER_SECONDS = 5.0  # a chat template renders in milliseconds; one still running after this never ends usefully
 # Older names for a message's reasoning; templates read `reasoning_content`, gpt-oss templates read `thinking`.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -44,8 +46,11 @@ def render_chat(template: str, messages: Any, *, add_generation_prompt: bool = T
             raise GenerationError(f"chat {name} must be a list of JSON objects")
     variables = {**(special_tokens or {}), **kwargs}
     try:
-        return compiled.render(messages=conversation, tools=_plain(tools), documents=_plain(documents),
-                               add_generation_prompt=add_generation_prompt, **_plain(variables))
+        return render_within(compiled, RENDER_SECONDS, messages=conversation, tools=_plain(tools),
+                             documents=_plain(documents), add_generation_prompt=add_generation_prompt,
+                             **_plain(variables))
+    except RenderTimeout as exc:
+        raise GenerationError(f"{exc} (a loop without end, or an enormous one); the template is refused") from None
     except TemplateRaised as exc:
         raise GenerationError(f"the chat template refused the conversation: {_one_line(exc)}") from exc
     except jinja2.TemplateError as exc:  # an undefined value, a sandbox violation
@@ -57,8 +62,8 @@ def render_chat(template: str, messages: Any, *, add_generation_prompt: bool = T
 @lru_cache(maxsize=16)
 def compile_template(template: str) -> jinja2.Template:
     """The template compiled in the sandbox (cached: servers render the same template for every request)."""
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+    environment = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True,
+                                  extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     environment.filters["tojson"] = _tojson
     environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
                                namespace=_TemplateNamespace)

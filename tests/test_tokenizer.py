@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -190,12 +191,29 @@ def test_named_templates_and_tools(family_dirs):
     ("{% set ns = namespace() %}{% set ns._x = 1 %}", "failed: .*cannot set the attribute '_x'"),
     ("{{ messages[5]['content'].upper() }}", "the chat template failed"),
     ("{% for m in messages %}", "does not parse"),
+    ("{{ 'a' * 300000000 }}", "builds a value of 300000000 items"),  # 300 MB at once
+    ("{{ [1] * 100000 * 1000 }}", "builds a value of 100000000 items"),
+    ("{{ 10 ** 100000000 }}", "raises 10 to the power 100000000"),
 ])
 def test_template_failures_are_one_line_generation_errors(tokenizer_dir, template, message):
     ours = load_tokenizer(tokenizer_dir)
     with pytest.raises(GenerationError, match=message) as caught:
         ours.apply_chat_template(CONVERSATIONS[0], chat_template=template)
     assert "\n" not in str(caught.value)
+
+
+def test_a_template_that_runs_too_long_is_stopped(tokenizer_dir, monkeypatch):
+    """Nested loops of the sandbox's largest range run 10^10 times: stopped at the render's time budget."""
+    from fxllm.runtime import chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
+    ours = load_tokenizer(tokenizer_dir)
+    start = time.monotonic()
+    with pytest.raises(GenerationError, match="ran longer than 0.5 s"):
+        ours.apply_chat_template(CONVERSATIONS[0], chat_template="{% for i in range(100000) %}{% for j in "
+                                                                 "range(100000) %}{% endfor %}{% endfor %}")
+    assert time.monotonic() - start < 5
+    assert ours.apply_chat_template(CONVERSATIONS[0])  # the next render is unaffected
 
 
 def test_bad_conversations_are_refused(tokenizer_dir):
