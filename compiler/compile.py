@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
+from fxllm.compiler.dump import clear_previous_dump
 from fxllm.compiler.gguf_cache import sharing_gguf_readers
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
 from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tokenizer, check_same_vocab,
@@ -182,13 +183,17 @@ def _check_ort_steps(ort_steps, target: str) -> None:
 def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> None:
     if dump_dir is None:
         return
-    dumps = Path(dump_dir).resolve()
-    if dumps.exists() and not dumps.is_dir():
-        raise PipelineError(f"--dump-dir '{dump_dir}' exists and is not a directory")
-    if dumps == output or output in dumps.parents:
-        raise PipelineError(f"--dump-dir '{dump_dir}' is inside the output directory, which the compile replaces; "
-                            "write the dumps elsewhere")
-    dumps.mkdir(parents=True, exist_ok=True)  # now, so that an unwritable place fails before the work (OSError)
+    try:
+        dumps = Path(dump_dir).resolve()
+        if dumps.exists() and not dumps.is_dir():
+            raise PipelineError(f"--dump-dir '{dump_dir}' exists and is not a directory")
+        if dumps == output or output in dumps.parents:
+            raise PipelineError(f"--dump-dir '{dump_dir}' is inside the output directory, which the compile "
+                                "replaces; write the dumps elsewhere")
+        dumps.mkdir(parents=True, exist_ok=True)  # now, so that an unwritable place fails before the work
+        clear_previous_dump(dumps)
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Path.resolve)
+        raise PipelineError(f"cannot use --dump-dir '{dump_dir}': {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, k: int,

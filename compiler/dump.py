@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
 from fxllm.compiler.program import Program
+from fxllm.errors import PipelineError
 
 
 def op_name(node) -> str:
@@ -76,6 +78,21 @@ class DumpWriter:
             json.dumps([{"pass": r.name, "options": r.options, "seconds": r.seconds, "drift": r.drift.to_dict()}
                         for r in records], indent=2) + "\n"
         )
+
+
+DUMP_FILE = re.compile(r"^(\d{2,}_[\w.-]+|summary)\.(txt|json)$")  # what DumpWriter writes, and nothing else
+
+
+def clear_previous_dump(directory: Path) -> None:
+    """Make `directory` ready for a new dump: the files of a previous dump go; a directory holding anything else is
+    refused (PipelineError), so a dump never overwrites or mixes with files of the user's."""
+    entries = sorted(directory.iterdir())
+    foreign = [entry.name for entry in entries if not (DUMP_FILE.match(entry.name) and entry.is_file())]
+    if foreign:
+        raise PipelineError(f"--dump-dir '{directory}' holds files that are not an fxllm dump (e.g. '{foreign[0]}'); "
+                            "name a new or empty directory, or a previous dump's")
+    for entry in entries:
+        entry.unlink()
 
 
 def layer_table(layers: list[dict]) -> str:

@@ -14,7 +14,7 @@ from fxllm.compiler.lint import LintError, lint
 from fxllm.compiler.pipeline import PipelineStep
 from fxllm.compiler.program import AppliedPass, Program
 from fxllm.progress import progress
-from fxllm.errors import FxllmError
+from fxllm.errors import FxllmError, PipelineError
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | No
     lint(program)
     stamp_origin(program, "capture")
     reference = Logits.of(run_sequence(program, sample))
+    if not torch.isfinite(reference.values).all():
+        raise PipelineError("the model's own logits are not finite (NaN or inf) on the drift sample, before any "
+                            "pass: its weights hold NaN or inf, or overflow in float32; nothing was written")
     previous = reference
     dumps = DumpWriter(dump_dir) if dump_dir else None
     if dumps:
@@ -79,6 +82,8 @@ def run_pipeline(program: Program, steps: list[PipelineStep], dump_dir: str | No
         program.applied.append(AppliedPass(step.name, step.options))
         with torch.no_grad():
             logits = Logits.of(run_sequence(program, sample))
+        if not torch.isfinite(logits.values).all():
+            raise PassFailure(f"pass '{step.name}' made the logits non-finite (NaN or inf) on the drift sample")
         drift = compare_logits(reference, logits)
         step_drift = compare_logits(previous, logits)  # this pass alone, not what earlier passes changed
         previous = logits

@@ -40,7 +40,10 @@ def check_output(output: str | os.PathLike) -> Path:
     lists, the directories leading to them, and manifest.json itself)."""
     if not str(output).strip():
         raise ArtifactError("the output path is empty")
-    path = Path(output).resolve()
+    try:
+        path = Path(output).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise ArtifactError(f"cannot use output '{output}': {exc}") from None
     if not path.exists():
         return path
     if not path.is_dir():

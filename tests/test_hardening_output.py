@@ -219,6 +219,62 @@ def test_dump_directory_inside_the_output_is_refused(capsys, tmp_path, broken_mo
     assert not (tmp_path / "out").exists()
 
 
+def test_a_dump_directory_with_files_of_the_users_is_refused(capsys, tmp_path, broken_model):
+    """--dump-dir never overwrites or mixes with the user's files: a directory holding anything a dump does not
+    write is refused before loading, untouched."""
+    dumps = tmp_path / "notes"
+    dumps.mkdir()
+    (dumps / "summary.txt").write_text("MY NOTES")  # a dump's name, but next to a file no dump writes
+    (dumps / "todo.md").write_text("keep")
+    code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(tmp_path / "out"), "--dump-dir", str(dumps))
+    assert_one_line_error(code, err, "holds files that are not an fxllm dump (e.g. 'todo.md')")
+    assert (dumps / "summary.txt").read_text() == "MY NOTES" and not (tmp_path / "out").exists()
+
+
+def test_a_previous_dump_is_replaced_whole(make_tiny_model, tmp_path):
+    import fxllm
+
+    dumps = tmp_path / "dumps"
+    fxllm.compile(make_tiny_model("llama"), tmp_path / "a", passes="cleanup,kv-cache", dump_dir=dumps)
+    first = sorted(p.name for p in dumps.iterdir())
+    assert any(name.startswith("02_kv-cache") for name in first)
+    fxllm.compile(make_tiny_model("llama"), tmp_path / "b", passes="kv-cache", dump_dir=dumps)
+    second = sorted(p.name for p in dumps.iterdir())
+    assert not any(name.startswith("02_") for name in second) and "summary.txt" in second  # no stale pass files
+
+
+@pytest.mark.parametrize("where", ["output", "dumps"])
+def test_paths_that_cannot_be_used_are_user_errors(capsys, tmp_path, broken_model, where):
+    """A symlink loop, or a directory under a file: exit status 1 with one line, not an internal error."""
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    (tmp_path / "afile").write_text("x")
+    for bad in (tmp_path / "loop-a", tmp_path / "afile" / "sub"):
+        argv = ["-o", str(bad)] if where == "output" else ["-o", str(tmp_path / "out"), "--dump-dir", str(bad)]
+        code, _, err = run_cli(capsys, "compile", str(broken_model), *argv)
+        assert code == 1 and err.count("\n") == 1 and err.startswith("fxllm: error: "), err
+        assert "internal error" not in err and not (tmp_path / "out").exists()
+
+
+def test_a_model_whose_logits_are_not_finite_is_refused(capsys, make_tiny_model, tmp_path):
+    """One NaN weight: the compile stops with one line before writing anything (it wrote an artifact whose manifest
+    held bare NaN drift values, which every later command refused as an unreadable pass record)."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan-model"
+    shutil.copytree(make_tiny_model("llama"), model)
+    weights = next(model.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(n for n in tensors if n.endswith("q_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    code, _, err = run_cli(capsys, "compile", str(model), "-o", str(tmp_path / "out"))
+    last = err.strip().splitlines()[-1]  # after transformers' own progress bar of the load
+    assert code == 1 and "Traceback" not in err, err
+    assert last.startswith("fxllm: error: the model's own logits are not finite (NaN or inf)"), err
+    assert not (tmp_path / "out").exists() and hidden_entries(tmp_path) == []
+
+
 # -- 7: interruptions -------------------------------------------------------------------------------------------
 
 def test_signals_during_lowering_remove_the_staging_directory(tmp_path, make_tiny_model, make_tiny_artifact):
