@@ -290,6 +290,8 @@ def test_quantize_bad_options(make_tiny_model, tmp_path):
     empty.write_text("  \n")
     short = tmp_path / "short.txt"
     short.write_text("Only a few words of calibration text.")
+    binary = tmp_path / "random.bin"
+    binary.write_bytes(bytes([0xFF, 0xFE]) + bytes(range(256)) * 100)
     for text, message in [("method=int3", "unknown quantize method 'int3'"),
                           ("method=int4-rtn;group_size=24", "power of two"),
                           ("method=int4-rtn;group_size=24;zero_point=true", "power of two"),
@@ -299,7 +301,8 @@ def test_quantize_bad_options(make_tiny_model, tmp_path):
                           (f"method=int4-awq;calib={short}",  # windows cut to the tiny model's 256 positions
                            "has 8 tokens; 16 samples of 256 tokens need 4096"),
                           (f"method=int4-gptq;calib={tmp_path / 'missing.txt'}",
-                           "the calibration text '.*missing.txt' does not exist")]:
+                           "the calibration text '.*missing.txt' does not exist"),
+                          (f"method=int4-awq;calib={binary}", r"'.*random.bin' is not UTF-8 text \(byte 0x")]:
         with pytest.raises(PipelineError, match=message):
             run_pipeline(program, build_pipeline(parse_pipeline(f"quantize:{text},kv-cache")))
 

@@ -51,6 +51,7 @@ def check_calibration_source(path: str) -> None:
         problem = "is a directory" if file.is_dir() else "is not readable" if file.exists() else "does not exist"
         raise PipelineError(f"quantize: the calibration text '{path}' {problem} (give a UTF-8 text file or one of "
                             f"{', '.join(dataset_names())})")
+    _decode(file.read_bytes(), path)  # before the model loads: a binary file is refused at once
 
 
 def read_calibration_text(path: str) -> tuple[str, str]:
@@ -60,9 +61,18 @@ def read_calibration_text(path: str) -> tuple[str, str]:
     if path in dataset_names() and not Path(path).exists():
         return dataset_text(path), path
     try:
-        return Path(path).read_text(encoding="utf-8", errors="replace"), path
+        return _decode(Path(path).read_bytes(), path), path
     except OSError as exc:
         raise PipelineError(f"quantize: cannot read the calibration text '{path}': {exc}") from exc
+
+
+def _decode(data: bytes, path: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PipelineError(f"quantize: the calibration text '{path}' is not UTF-8 text (byte "
+                            f"0x{exc.object[exc.start]:02x} at offset {exc.start}); calibrating on it would fit the "
+                            "quantization to noise") from None
 
 
 class _Stop(Exception):
