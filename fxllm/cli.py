@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the artifact directory's name)")
-    p.add_argument("--api-key", default=os.environ.get("FXLLM_API_KEY"),
+    p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $FXLLM_API_KEY, else none)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait beyond --max-batch before new ones get 429 (default 256)")
@@ -318,7 +318,10 @@ def cmd_serve(args) -> int:
                                           ("--replica-gpus", args.replica_gpus != 0.0)) if given]
     from fxllm.serving.server import ServeOptions, serve
 
-    options = ServeOptions(args.artifact, args.host, args.port, args.served_model_name, args.api_key or None,
+    if args.api_key is not None and not args.api_key.strip():  # e.g. --api-key "$UNSET": serving open by mistake
+        raise UsageError("--api-key is empty; give the key, or leave the option out to serve without one")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("FXLLM_API_KEY") or None
+    options = ServeOptions(args.artifact, args.host, args.port, args.served_model_name, api_key,
                            args.max_queue, args.drain_timeout, args.access_log, "info" if args.verbose else "warning")
     if args.ray:
         from fxllm.serving.ray.cluster import RayServeOptions, serve_on_ray

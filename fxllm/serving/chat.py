@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from fxllm.runtime.request import MAX_LOGPROBS
 from fxllm.serving.errors import APIError
 from fxllm.serving.logprobs import chat_logprobs
 from fxllm.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -39,6 +40,9 @@ async def create_chat_completion(service: OpenAIService,
     n = choices_per_prompt(request.n)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {request.top_logprobs}",
+                       param="top_logprobs")
     top = (request.top_logprobs or 0) if request.logprobs else None
     prompt_ids = await service.encode_chat(template_messages(request.messages))
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens

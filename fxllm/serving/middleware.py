@@ -17,18 +17,23 @@ PROTECTED_PREFIX = "/v1/"
 class APIKeyGuard:
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
             given = _header(scope, b"authorization")
-            if given is None or not hmac.compare_digest(given, self.expected):
+            if given is None or not self._accepts(given):
                 reason = "missing" if given is None else "wrong"
                 error = APIError(401, f"{reason} API key: send the header 'Authorization: Bearer <key>' with the "
                                       "key the server was started with", code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _accepts(self, header: bytes) -> bool:
+        """`Bearer KEY`, the scheme in any case (RFC 7235), the key compared in constant time."""
+        scheme, _, key = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
 
 
 class BodySizeLimit:

@@ -34,6 +34,13 @@ class ServeOptions:
     access_log: bool = False
     log_level: str = "warning"
 
+    def check(self) -> None:
+        """FxllmError (one line) for an option no server can take; before anything loads."""
+        if not 0 <= self.port <= 65535:
+            raise FxllmError(f"--port must be between 0 and 65535, got {self.port}")
+        if not self.drain_timeout >= 0:  # NaN too
+            raise FxllmError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout}")
+
 
 def serve(options: ServeOptions, **engine_options) -> int:
     """Load the artifact (engine_options go to fxllm.load), serve until SIGTERM/SIGINT, return the exit status."""
@@ -44,10 +51,7 @@ def serve(options: ServeOptions, **engine_options) -> int:
     from fxllm.serving.app import create_app
     from fxllm.serving.service import OpenAIService, ServingConfig
 
-    if not 0 <= options.port <= 65535:
-        raise FxllmError(f"--port must be between 0 and 65535, got {options.port}")
-    if options.drain_timeout < 0:
-        raise FxllmError(f"--drain-timeout must be >= 0 seconds, got {options.drain_timeout}")
+    options.check()
     name = options.served_model_name or Path(options.artifact).resolve().name
     config = ServingConfig((name,), options.max_queue)
     sock = _bind(options.host, options.port)  # first: a port in use fails before a long load

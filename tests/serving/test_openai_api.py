@@ -343,6 +343,14 @@ def test_completion_errors(server, body, status, param):
     assert error_of(response)["param"] == param
 
 
+@pytest.mark.parametrize("top", [21, -1])
+def test_chat_top_logprobs_out_of_range_names_it(server, top):
+    response = httpx.post(f"{server.url}/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                "logprobs": True, "top_logprobs": top})
+    assert response.status_code == 400 and error_of(response)["param"] == "top_logprobs", response.text
+
+
 def test_lone_surrogates_are_refused_in_one_line(server):
     """A lone surrogate (legal in JSON as `\\ud800`, not encodable as UTF-8) in the model name is its 404, with the
     name escaped; in a chat message a 400 naming `messages`, as in a completion prompt one naming `prompt`. The
@@ -427,6 +435,10 @@ def test_error_statuses_through_the_client(client, server):
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     assert httpx.post(f"{server.url}/completions", content=b'{"model": ', headers=headers).status_code == 400
     assert error_of(httpx.post(f"{server.url}/completions", content=b"{}"))["code"] == "invalid_api_key"
+    for header, status in ((f"bearer {API_KEY}", 422), (f"BEARER  {API_KEY}", 422), (f"Basic {API_KEY}", 401),
+                           (f"Bearer {API_KEY}x", 401), ("Bearer", 401)):  # the scheme in any case (RFC 7235)
+        assert httpx.post(f"{server.url}/completions", content=b"{}",
+                          headers={"Authorization": header}).status_code == status, header
     too_big = httpx.post(f"{server.url}/completions", headers=headers,
                          content=json.dumps({"model": MODEL, "prompt": "x" * (5 << 20)}))
     assert (too_big.status_code, error_of(too_big)["code"]) == (413, "request_too_large")

@@ -62,6 +62,7 @@ def closed_port() -> int:
     (("--max-tokens-per-step", "0"), "max_tokens_per_step must be >= 1, got 0"),  # engine options: before any replica
     (("--max-batch", "0"), "max_batch must be >= 1, got 0"),
     (("--kv-cache-memory", "lots"), "cannot read 'lots' as a memory size"),
+    (("--drain-timeout", "nan"), "--drain-timeout must be >= 0 seconds, got nan"),
 ])
 def test_bad_ray_options_are_one_line(long_context_artifact, options, expected):
     tag = uuid.uuid4().hex

@@ -64,7 +64,11 @@ def test_serve_bad_input_is_one_line(serve_artifact, tmp_path):
                                ((str(serve_artifact), "--port", str(port)), f"cannot listen on 127.0.0.1:{port}"),
                                ((str(serve_artifact), "--port", "0", "--max-queue", "-1"), "max_queue"),
                                ((str(serve_artifact), "--port", "0", "--max-tokens-per-step", "0"),
-                                "max_tokens_per_step must be >= 1, got 0")]:
+                                "max_tokens_per_step must be >= 1, got 0"),
+                               ((str(serve_artifact), "--port", "0", "--drain-timeout", "nan"),
+                                "--drain-timeout must be >= 0 seconds, got nan"),
+                               ((str(serve_artifact), "--port", "0", "--api-key", ""),  # "$UNSET": not served open
+                                "--api-key is empty")]:
             proc = subprocess.run([FXLLM, "serve", *argv], capture_output=True, text=True, timeout=120)
             lines = proc.stderr.strip().splitlines()
             assert proc.returncode == 1 and len(lines) == 1 and expected in lines[0], (argv, proc.stderr)

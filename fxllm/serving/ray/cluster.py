@@ -69,8 +69,7 @@ def serve_on_ray(options: RayServeOptions, **engine_options) -> int:
                          kv_cache_memory=engine_options.get("kv_cache_memory"),
                          max_batch=engine_options.get("max_batch", 64),
                          max_tokens_per_step=engine_options.get("max_tokens_per_step"))
-    if not 0 <= server.port <= 65535:
-        raise FxllmError(f"--port must be between 0 and 65535, got {server.port}")
+    server.check()
     require_ray()
     local = options.ray_address is None
     if not is_uri(server.artifact) and (local or Path(server.artifact).exists()):
