@@ -37,6 +37,9 @@ class DraftSpec:
 
 
 def parse_draft(text: str, k: int) -> DraftSpec:
+    if not isinstance(text, str) or isinstance(k, bool) or not isinstance(k, int):
+        raise PipelineError(f"draft must be a string and spec_k an integer, got {type(text).__name__} "
+                            f"{text!r} and {type(k).__name__} {k!r}")
     if not 1 <= k <= MAX_SPEC_K:
         raise PipelineError(f"--spec-k must be between 1 and {MAX_SPEC_K}, got {k}")
     if text in ("self-int4", "ngram"):

@@ -27,6 +27,9 @@ def parse_pipeline(text: str | list[str] | tuple[str, ...] | None) -> list[tuple
     if text is None:
         return [(name, {}) for name in DEFAULT_PIPELINE]
     items = text.split(",") if isinstance(text, str) else list(text)
+    odd = next((item for item in items if not isinstance(item, str)), None)
+    if odd is not None:
+        raise PipelineError(f"passes must be pass names (strings), got {type(odd).__name__} {odd!r}")
     steps = []
     for item in (i.strip() for i in items):
         if not item:
@@ -37,7 +40,10 @@ def parse_pipeline(text: str | list[str] | tuple[str, ...] | None) -> list[tuple
             key, eq, value = pair.partition("=")
             if not eq:
                 raise PipelineError(f"pass option '{pair}' of '{name}' is not of the form key=value")
-            options[key.strip().replace("-", "_")] = value.strip()
+            key = key.strip().replace("-", "_")
+            if key in options:
+                raise PipelineError(f"pass option '{key}' of '{name}' is given twice")
+            options[key] = value.strip()
         steps.append((name.strip(), options))
     if not steps:
         raise PipelineError("the pass list is empty")
@@ -167,14 +173,20 @@ def _typed_options(info: PassInfo, options: dict[str, Any]) -> dict[str, Any]:
             raise PipelineError(f"pass '{info.name}' has no option '{key}' (its options: {known})")
         kind = info.option_types[key]
         try:
-            typed[key] = _convert(value, kind)
+            typed[key] = None if value is None and info.option_defaults.get(key, 0) is None else _convert(value, kind)
         except ValueError as exc:
             raise PipelineError(f"pass '{info.name}' option '{key}': {exc}") from exc
     return typed
 
 
 def _convert(value: Any, kind: type) -> Any:
-    if not isinstance(value, str):
+    """A command-line string converted to the option's type; any other value checked against it (a bool is not an
+    int, an int is a float)."""
+    if not isinstance(value, str) or kind is str:
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
         return value
     if kind is bool:
         if value.lower() in ("1", "true", "yes", "on"):

@@ -49,6 +49,26 @@ def test_bad_options_are_rejected(cache_reader_pass):
         build_pipeline(parse_pipeline(f"kv-cache,{cache_reader_pass}:factor=two"))
     with pytest.raises(PipelineError, match="not in the pipeline"):
         build_pipeline(parse_pipeline("kv-cache"), {"cleanup": {"x": "1"}})
+    with pytest.raises(PipelineError, match="option 'factor' of '.*' is given twice"):
+        parse_pipeline(f"kv-cache,{cache_reader_pass}:factor=3;factor=4")
+
+
+@pytest.mark.parametrize("options, message", [  # the Python API's values, which no command-line text converts
+    ({"paged": {"block_size": True}}, "expected int, got bool True"),
+    ({"paged": {"block_size": 4.0}}, "expected int, got float 4.0"),
+    ({"gqa": {"kv_heads": 1.0}}, "expected int, got float 1.0"),
+    ({"quantize": {"method": "int4-rtn", "group_size": 32.0}}, "expected int, got float 32.0"),
+    ({"quantize": {"method": 4}}, "expected str, got int 4"),
+])
+def test_python_option_values_of_the_wrong_type_are_refused(options, message):
+    passes = ",".join(["cleanup", *options, "kv-cache"] if "paged" not in options else ["cleanup", "kv-cache", "paged"])
+    with pytest.raises(PipelineError, match=message):
+        build_pipeline(parse_pipeline(passes), options)
+
+
+def test_pass_names_must_be_strings():
+    with pytest.raises(PipelineError, match="passes must be pass names"):
+        parse_pipeline(["cleanup", 3, "kv-cache"])
 
 
 def test_empty_pipeline_is_rejected():
