@@ -219,11 +219,6 @@ def cmd_generate(args) -> None:
                         kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
                         max_tokens_per_step=args.max_tokens_per_step, int8_activations=_activations(args),
                         device=args.device, torch_compile=args.torch_compile)
-    paged_only = [flag for flag, value in (("--kv-blocks", args.kv_blocks), ("--kv-cache-memory", args.kv_cache_memory))
-                  if value is not None]
-    if paged_only and not engine.paged:
-        raise UsageError(f"{paged_only[0]} applies to paged artifacts; '{args.artifact}' has a contiguous KV cache "
-                         "(compile with the `paged` pass to use a KV pool)")
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     if args.json or len(args.prompt) > 1:

@@ -20,6 +20,19 @@ def default_providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
 
 
+def check_providers(providers: list[str] | None) -> list[str] | None:
+    """The providers asked for, refused (ArtifactError, one line) when this ONNX Runtime build lacks one: ONNX
+    Runtime itself only prints a banner and falls back to the CPU."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    missing = [p for p in providers or () if p not in available]
+    if missing:
+        raise ArtifactError(f"execution provider {missing[0]} is not in this ONNX Runtime build (it has "
+                            f"{', '.join(available)})")
+    return providers
+
+
 def default_threads() -> int:
     """Intra-op threads when none are given: OMP_NUM_THREADS where it is a positive integer (torch's and
     CTranslate2's convention, so one setting bounds every library in the process — e.g. one thread per process when
@@ -58,8 +71,9 @@ class OrtBackend:
             options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
         else:
             options.add_session_config_entry("session.disable_quant_qdq", "1")
+        providers = check_providers(providers) or default_providers()
         try:
-            self.session = ort.InferenceSession(str(model_path), options, providers=providers or default_providers())
+            self.session = ort.InferenceSession(str(model_path), options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types for bad models
             raise ArtifactError(f"ONNX Runtime cannot load '{model_path}': {exc}") from exc
         self.output_names = [o.name for o in self.session.get_outputs()]

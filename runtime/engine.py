@@ -23,8 +23,9 @@ from fxllm.runtime.manifest import Manifest, SpeculativePlan, load_manifest
 from fxllm.runtime.metrics import EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import RequestOutput, SamplingParams
-from fxllm.runtime.request_validation import (GenerationRequest, check_engine_options, check_kv_pool, check_prompt,
-                                              check_prompt_ids, check_prompts, check_request)
+from fxllm.runtime.request_validation import (GenerationRequest, check_engine_options, check_kv_pool,
+                                              check_load_flags, check_prompt, check_prompt_ids, check_prompts,
+                                              check_request)
 from fxllm.runtime.results import GenerationResult, collector, raise_failure
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
@@ -101,7 +102,13 @@ class Engine:
         matters, its numerics do not: verification keeps exactly the target's distribution).
         spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs)."""
         check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
+        check_load_flags(backend, verify, prefix_caching, spin, torch_compile, int8_activations, unrolled_draft,
+                         providers, device)
         manifest = load_manifest(Path(path), verify=verify)
+        for name, value in (("kv_blocks", kv_blocks), ("kv_cache_memory", kv_cache_memory)):
+            if value is not None and not manifest.io.paged:  # refused, not ignored: the user meant to size a pool
+                raise InvalidArgumentError(name, f"{name} applies to paged artifacts; '{path}' has a contiguous KV "
+                                                 "cache (compile with the `paged` pass to use a KV pool)")
         plan = _speculative_plan(manifest, speculative)
         # Target and draft sessions alternate on the same cores: threads spinning after one session's call
         # would slow the other's (measured: a 5-token verify 105 ms alternating vs 41 ms without spinning).

@@ -128,6 +128,27 @@ def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_me
         integer("spec_k", spec_k)
 
 
+def check_load_flags(backend: Any, verify: Any, prefix_caching: Any, spin: Any, torch_compile: Any,
+                     int8_activations: Any, unrolled_draft: Any, providers: Any, device: Any) -> None:
+    """Engine.load's switches are True or False (None too where it means "the artifact's choice"), never a truthy
+    string; providers is None or a list of provider names; device and torch_compile belong to backend 'torch'
+    (ONNX Runtime picks its device through providers), so they are refused rather than ignored elsewhere."""
+    for name, value in (("verify", verify), ("prefix_caching", prefix_caching), ("spin", spin),
+                        ("torch_compile", torch_compile)):
+        flag(name, value)
+    for name, value in (("int8_activations", int8_activations), ("unrolled_draft", unrolled_draft)):
+        if value is not None:
+            flag(name, value)
+    if providers is not None and (isinstance(providers, str) or not isinstance(providers, (list, tuple))
+                                  or not all(isinstance(p, str) for p in providers)):
+        raise InvalidArgumentError("providers", f"providers must be a list of execution provider names such as "
+                                                f"['CPUExecutionProvider'], got {describe(providers)}")
+    if backend != "torch" and (device != "cpu" or torch_compile):
+        option = "device" if device != "cpu" else "torch_compile"
+        raise InvalidArgumentError(option, f"{option} applies to backend 'torch' only; backend '{backend}' picks its "
+                                           "device through providers (ONNX Runtime) or the engine it was built for")
+
+
 def check_kv_pool(blocks: int, block_bytes: int, kv_blocks: int | None, kv_cache_memory: int | str | None) -> int:
     """The paged KV pool's size in blocks, refused before anything is allocated when it holds no block or needs
     more memory than this machine has available."""

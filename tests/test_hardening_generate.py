@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import fxllm
 from fxllm.cli import main
-from fxllm.errors import FxllmError, GenerationError
+from fxllm.errors import ArtifactError, FxllmError, GenerationError, InvalidArgumentError
 from fxllm.runtime.sampler import Sampler, SamplingParams, probabilities
 
 # Only names the code before issue #16 already had are imported at module level: run against that code, every
@@ -207,6 +207,26 @@ def test_prompt_that_is_not_utf8_is_a_user_error(contiguous):
                           "prompt is not valid Unicode")
 
 
+@pytest.mark.parametrize("options, param", [
+    ({"verify": "no"}, "verify"), ({"prefix_caching": "yes"}, "prefix_caching"), ({"spin": 0}, "spin"),
+    ({"int8_activations": "yes"}, "int8_activations"), ({"unrolled_draft": "x"}, "unrolled_draft"),
+    ({"providers": "CPUExecutionProvider"}, "providers"), ({"providers": [3]}, "providers"),
+    ({"device": "cuda"}, "device"), ({"torch_compile": True}, "torch_compile"),
+])
+def test_load_switches_are_booleans_and_apply_to_their_backend(contiguous, options, param):
+    """A truthy string is not a switch, and an option of another backend is refused rather than ignored."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        fxllm.load(contiguous, **options)
+    assert refused.value.param == param and "\n" not in str(refused.value)
+
+
+def test_an_execution_provider_this_build_lacks_is_refused(contiguous):
+    """ONNX Runtime itself prints a banner and falls back to the CPU; the engine says so in one line."""
+    with pytest.raises(ArtifactError, match="execution provider NopeExecutionProvider is not in this ONNX Runtime"):
+        fxllm.load(contiguous, providers=["NopeExecutionProvider"])
+    assert fxllm.load(contiguous, providers=["CPUExecutionProvider"]).backend.providers == ["CPUExecutionProvider"]
+
+
 def test_huge_kv_pool_is_refused_before_allocating(paged):
     assert_one_line_error(*cli("generate", str(paged), "--prompt", "hi", "--kv-blocks", "1000000000000")[::2],
                           "of memory available; ask for fewer blocks")
@@ -230,7 +250,7 @@ def test_manifest_that_is_not_utf8_is_a_user_error(contiguous, tmp_path):
     (["--max-tokens-per-step", "0"], "max_tokens_per_step must be >= 1, got 0"),
     (["--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value: 'abc'"),
     (["--temperature", ""], "argument --temperature: invalid float value: ''"),
-    (["--kv-blocks", "4"], "--kv-blocks applies to paged artifacts"),
+    (["--kv-blocks", "4"], "kv_blocks applies to paged artifacts"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_hostile_command_lines_are_user_errors(contiguous, argv, message):
