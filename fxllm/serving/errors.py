@@ -90,7 +90,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     param = ".".join(location) or None
     message = first.get("msg", "invalid request")
     if first.get("type") == "missing":
-        message = f"missing required parameter '{param}'"
+        message = f"missing required parameter '{param}'" if param else "the request has no body (a JSON object)"
     elif param:
         message = f"invalid value for '{param}': {message}"
     if len(errors) > 1:

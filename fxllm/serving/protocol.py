@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: `true` is not the integer 1 nor "yes" a boolean (an integer is still a number); a wrong type is a 422
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):

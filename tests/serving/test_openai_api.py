@@ -336,6 +336,10 @@ def error_of(response: httpx.Response) -> dict:
     ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 422, "max_tokens"),
     ({"model": MODEL, "prompt": {"text": "x"}}, 422, "prompt"),
     ({"model": MODEL}, 422, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": True}, 422, "max_tokens"),  # no bool is a number
+    ({"model": MODEL, "prompt": "x", "temperature": True}, 422, "temperature"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, 422, "stream"),
+    ({"model": MODEL, "prompt": [True, False]}, 422, "prompt"),
 ])
 def test_completion_errors(server, body, status, param):
     response = httpx.post(f"{server.url}/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
@@ -434,6 +438,8 @@ def test_error_statuses_through_the_client(client, server):
         assert raised.value.body["message"], raised.value.body
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     assert httpx.post(f"{server.url}/completions", content=b'{"model": ', headers=headers).status_code == 400
+    empty = httpx.post(f"{server.url}/completions", content=b"", headers=headers)
+    assert empty.status_code == 422 and error_of(empty)["message"] == "the request has no body (a JSON object)"
     assert error_of(httpx.post(f"{server.url}/completions", content=b"{}"))["code"] == "invalid_api_key"
     for header, status in ((f"bearer {API_KEY}", 422), (f"BEARER  {API_KEY}", 422), (f"Basic {API_KEY}", 401),
                            (f"Bearer {API_KEY}x", 401), ("Bearer", 401)):  # the scheme in any case (RFC 7235)
