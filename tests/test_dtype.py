@@ -144,6 +144,19 @@ def test_tensorrt_profile_covers_every_dynamic_input(fp16_tensorrt, bf16_paged):
     bad = {"spec": {"max_positions": 64}, "io": {"inputs": [{"name": "x", "dims": ["beams"], "dtype": "int64"}]}}
     with pytest.raises(FxllmError, match="beams"):
         profile_shapes(bad, 1, 1)
+    manifest = json.loads((fp16_tensorrt / "manifest.json").read_text())
+    for max_batch, max_tokens, name in ((0, 512, "--max-batch"), (8, -1, "--max-tokens"), (True, 512, "--max-batch")):
+        with pytest.raises(FxllmError, match=f"{name} must be an integer >= 1"):  # max below min: TensorRT's failure
+            profile_shapes(manifest, max_batch, max_tokens)
+
+
+@pytest.mark.parametrize("level", [-1, 6, 2.5, True])
+def test_engine_build_refuses_an_optimization_level_tensorrt_lacks(fp16_tensorrt, level):
+    """Refused before TensorRT is even imported (it is not installed here): the build would fail on a GPU only."""
+    from fxllm.compiler.targets.tensorrt_build import build_engine
+
+    with pytest.raises(FxllmError, match="--optimization-level must be an integer from 0 to 5"):
+        build_engine(fp16_tensorrt, optimization_level=level)
 
 
 def test_half_networks_are_strongly_typed():

@@ -52,6 +52,10 @@ def dim_ranges(manifest: dict[str, Any], max_batch: int, max_tokens: int,
     context; `blocks` (paged: the slice of the pool a step reads, runtime/model_runner.py) ranges up to the pool the
     runtime allocates by default (`max_blocks`, default: the 512 MiB default KV budget, at least one full
     context)."""
+    for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)) + \
+            ((("max_blocks", max_blocks),) if max_blocks is not None else ()):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FxllmError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
     context = int(manifest["spec"]["max_positions"])
     ranges = {"batch": (1, 1, max_batch), "tokens": (1, 1, max_tokens), "past": (0, context // 2, context - 1),
               "total": (1, context // 2 + 1, context), "select": (1, 1, max_tokens)}
@@ -100,6 +104,9 @@ def build_engine(artifact: str | os.PathLike, optimization_level: int = 3, max_b
     """Parse the artifact's ONNX, build with one optimization profile, write engine.plan and record the TensorRT
     version and GPU compute capability in the manifest. Paged artifacts: the engine takes pools of up to
     `max_blocks` blocks (default: the runtime's default pool)."""
+    if isinstance(optimization_level, bool) or optimization_level not in range(6):
+        raise FxllmError(f"--optimization-level must be an integer from 0 to 5 (TensorRT's builder levels), got "
+                         f"{optimization_level!r}")
     directory = Path(artifact)
     manifest = load_manifest(directory).data
     if manifest["target"] != "tensorrt":
