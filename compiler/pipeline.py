@@ -66,6 +66,10 @@ def place_quantization(passes: str | list[str] | None, pass_options: dict[str, d
     if unknown:
         raise PipelineError(f"unknown quantization option(s) {', '.join(sorted(unknown))} "
                             f"(available: {', '.join(QUANT_OPTIONS)})")
+    if quant is not None and (not isinstance(quant, str) or not quant.strip()):
+        raise PipelineError(f"--quant needs a method (int8, int4-rtn, int4-gptq, int4-awq), got {quant!r}")
+    if quant == "int8" and quant_options.get("group_size") is not None:
+        raise PipelineError("--group-size applies to the int4 methods; int8 has one scale per output channel")
     if quant_options and not quant:
         raise PipelineError(f"quantization option '{next(iter(quant_options))}' needs a method (--quant METHOD)")
     if quant_options.get("calib") and quant not in ("int4-gptq", "int4-awq"):

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, help="regroup attention to N KV heads (option kv_heads of the gqa pass)")
     p.add_argument("--quant", help="weight-only quantization: int8 | int4-rtn | int4-gptq | int4-awq (adds the quantize "
                                    "pass before kv-cache when --passes is not given)")
-    p.add_argument("--group-size", type=int, help="int4 block size along the input dim (default 64 for int4-gptq and "
+    p.add_argument("--group-size", type=int, help="int4 block size along the input dim (default 32 for int4-gptq and "
                                                   "int4-awq, which are asymmetric by default; 128 for int4-rtn)")
     p.add_argument("--requantize", action="store_true",
                    help="GGUF sources: load the weights as float (re-quantized by --quant if given) instead of "
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                "(default float)")
     p.add_argument("--draft", help="add a draft for speculative decoding: a model (same tokenizer), self-int4, "
                                    "self-layers:N or ngram")
-    p.add_argument("--spec-k", type=int, default=4, help="tokens the draft proposes per step (1-16, default 4)")
+    p.add_argument("--spec-k", type=int, help="tokens the draft proposes per step (1-16, default 4; with --draft)")
     p.add_argument("--dump-dir", help="write per-pass graphs, op histograms, timings and drift here")
     p.add_argument("--target", default="ort", choices=["ort", "tensorrt", "torch"],
                    help="ort: ONNX Runtime (default); tensorrt: TensorRT-parseable ONNX, audited, plus engine.plan "
@@ -167,11 +167,14 @@ def cmd_compile(args) -> None:
         options.setdefault("gqa", {})["kv_heads"] = args.kv_heads
     quant_options = {"group_size": args.group_size, "calib": args.calib, "lm_head": args.quant_lm_head,
                      "embedding": args.quant_embedding}
+    if args.spec_k is not None and args.draft is None:
+        raise UsageError("--spec-k sets how many tokens a draft proposes; it needs --draft")
     start = time.perf_counter()
     report = compile_model(args.model, args.output, passes=args.passes, pass_options=options, quant=args.quant,
                            quant_options=quant_options, requantize=args.requantize,
                            int8_activations=args.int8_activations, dtype=args.dtype,
-                           dump_dir=args.dump_dir, target=args.target, draft=args.draft, spec_k=args.spec_k)
+                           dump_dir=args.dump_dir, target=args.target, draft=args.draft,
+                           spec_k=4 if args.spec_k is None else args.spec_k)
     wall = time.perf_counter() - start
     print(f"compiled {args.model} → {report.output}")
     print(f"  {'pass':<18} {'time s':>7} {'max|Δlogit|':>12} {'mean KL':>9} {'greedy':>7}")

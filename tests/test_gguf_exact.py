@@ -155,7 +155,10 @@ def test_cli_flags_are_one_line_errors(q4_1_file, make_tiny_model, tmp_path, cap
     capsys.readouterr()  # the fixtures' progress bars
     for argv, message in [([tiny, "--requantize"], "--requantize applies to GGUF sources only"),
                           ([str(q4_1_file), "--quant", "int4-rtn"], "kept exactly; add --requantize"),
-                          ([str(q4_1_file), "--group-size", "64"], "needs a method")]:
+                          ([str(q4_1_file), "--group-size", "64"], "needs a method"),
+                          ([tiny, "--quant", ""], "--quant needs a method"),  # it compiled unquantized
+                          ([tiny, "--quant", "int8", "--group-size", "32"], "--group-size applies to the int4 methods"),
+                          ([tiny, "--spec-k", "3"], "--spec-k sets how many tokens a draft proposes; it needs --draft")]:
         assert main(["compile", *argv, "-o", str(tmp_path / "out")]) == 1
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1
