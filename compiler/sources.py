@@ -126,6 +126,12 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
     implementation defaults to `sdpa` where the model has it, else `eager`; capture replaces it."""
     check_supported(source)
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    from fxllm.progress import enabled as progress_bars
+
+    if not progress_bars():  # transformers' own bars (loading weights, dequantizing GGUF) obey FXLLM_QUIET too
+        transformers_logging.disable_progress_bar()
 
     def load(implementation: str):
         return AutoModelForCausalLM.from_pretrained(source.directory, dtype="float32",
