@@ -38,8 +38,13 @@ class ServeOptions:
         """FxllmError (one line) for an option no server can take; before anything loads."""
         if not 0 <= self.port <= 65535:
             raise FxllmError(f"--port must be between 0 and 65535, got {self.port}")
-        if not self.drain_timeout >= 0:  # NaN too
-            raise FxllmError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout}")
+        check_drain_timeout(self.drain_timeout)
+
+
+def check_drain_timeout(seconds: float) -> None:
+    """FxllmError unless `seconds` is >= 0 (NaN is not): `fxllm serve`'s and the Ray Serve app's drain."""
+    if not seconds >= 0:
+        raise FxllmError(f"--drain-timeout must be >= 0 seconds, got {seconds}")
 
 
 def serve(options: ServeOptions, **engine_options) -> int:

@@ -148,3 +148,13 @@ def test_health_fails_an_engine_whose_model_calls_all_fail(serve_artifact):
         await service.engine.shutdown(drain_timeout=0)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), -1.0])
+def test_the_ray_app_refuses_a_drain_timeout_serve_refuses(seconds):
+    """build_app's options (the Python API) and `fxllm serve` read the drain timeout with one check."""
+    from fxllm.errors import FxllmError
+    from fxllm.serving.ray.app import check_options
+
+    with pytest.raises(FxllmError, match=f"--drain-timeout must be >= 0 seconds, got {seconds}"):
+        check_options(1, None, 1.0, 0.0, "default", None, seconds)

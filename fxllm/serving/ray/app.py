@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from fxllm.errors import FxllmError
 from fxllm.serving.ray.engine import EngineSettings
+from fxllm.serving.server import check_drain_timeout
 
 ROUTERS = ("default", "prefix")
 DEFAULT_MAX_BATCH = 64
@@ -117,8 +118,7 @@ def check_options(replicas: int, autoscale: tuple[int, int] | None, replica_cpus
         raise FxllmError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if max_queue is not None and (isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0):
         raise FxllmError(f"--max-queue must be an integer >= 0, got {max_queue!r}")
-    if drain_timeout < 0:
-        raise FxllmError(f"--drain-timeout must be >= 0 seconds, got {drain_timeout}")
+    check_drain_timeout(drain_timeout)
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:
