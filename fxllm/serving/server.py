@@ -67,9 +67,9 @@ def serve(options: ServeOptions, **engine_options) -> int:
         raise
     service = OpenAIService(AsyncEngine(engine), config)
     app = create_app(lambda: service, api_key=options.api_key)
-    config = uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log, lifespan="off",
-                            timeout_graceful_shutdown=options.drain_timeout + ABORT_GRACE)
-    server = _draining_server(service, config, options.drain_timeout)
+    uvicorn_config = uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log, lifespan="off",
+                                    timeout_graceful_shutdown=options.drain_timeout + ABORT_GRACE)
+    server = _draining_server(service, uvicorn_config, options.drain_timeout)
     # uvicorn re-raises the signal that stopped it once it has drained; with this handler in place beforehand, a
     # SIGTERM then ends the process normally (exit 0) instead of killing it.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
