@@ -20,7 +20,6 @@ import numpy as np
 
 from fxllm.errors import InvalidArgumentError
 from fxllm.runtime.backend_ort import default_providers
-from fxllm.runtime.checks import flag
 
 from fxllm.runtime.kv_cache import ContiguousKVCache
 from fxllm.runtime.manifest import load_manifest
@@ -88,8 +87,6 @@ def load_draft_model(directory: Path, k: int, unrolled: bool | None, **options) 
     from fxllm.runtime.engine import Engine
 
     manifest = load_manifest(directory, verify=options["verify"])
-    if unrolled is not None:
-        flag("unrolled_draft", unrolled)
     int8 = options["int8_activations"]
     if unrolled is None:
         unrolled = "CUDAExecutionProvider" in (options["providers"] or default_providers()) and not int8
