@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +123,25 @@ def load_tokenizer(source: ModelSource):
         raise ModelSourceError(f"cannot load a tokenizer from '{source.directory}': {exc}") from exc
 
 
+@contextlib.contextmanager
+def _gguf_dequantization_bar(enabled: bool) -> Iterator[None]:
+    """While active and not `enabled`, transformers' GGUF dequantization bar is off: it calls tqdm directly (module
+    attribute `tqdm` of transformers.modeling_gguf_pytorch_utils), so its logging switch does not reach it."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as module
+    except ImportError:  # no GGUF support in this transformers: no bar to silence
+        module = None
+    original = getattr(module, "tqdm", None)
+    if enabled or original is None:
+        yield
+        return
+    module.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = original
+
+
 @sharing_gguf_readers
 def load_model(source: ModelSource, attn_implementation: str | None = None):
     """Load the float model in eval mode; GGUF weights are dequantized to float32 by transformers. The attention
@@ -130,13 +152,15 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
 
     from fxllm.progress import enabled as progress_bars
 
-    if not progress_bars():  # transformers' own bars (loading weights, dequantizing GGUF) obey FXLLM_QUIET too
+    quiet = not progress_bars()
+    if quiet:  # transformers' own weight-loading bar obeys FXLLM_QUIET too
         transformers_logging.disable_progress_bar()
 
     def load(implementation: str):
-        return AutoModelForCausalLM.from_pretrained(source.directory, dtype="float32",
-                                                    attn_implementation=implementation,
-                                                    **source.from_pretrained_kwargs())
+        with _gguf_dequantization_bar(enabled=not quiet):
+            return AutoModelForCausalLM.from_pretrained(source.directory, dtype="float32",
+                                                        attn_implementation=implementation,
+                                                        **source.from_pretrained_kwargs())
 
     try:
         try:

@@ -148,6 +148,18 @@ def test_requantize_and_quant_flags_on_gguf(q4_1_file, make_tiny_model, tmp_path
         place_quantization(None, None, None, {"group_size": 64})
 
 
+def test_a_quiet_load_draws_no_gguf_dequantization_bar(q4_1_file, capsys):
+    """transformers draws its GGUF dequantization bar with tqdm directly; with fxllm's bars off (stderr is not a
+    terminal here) the load prints nothing, and the bar is transformers' own again afterwards."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.tqdm
+    capsys.readouterr()
+    load_model(resolve_source(str(q4_1_file)))
+    assert "de-quantizing" not in capsys.readouterr().err
+    assert gguf_utils.tqdm is original
+
+
 def test_cli_flags_are_one_line_errors(q4_1_file, make_tiny_model, tmp_path, capsys):
     from fxllm.cli import main
 
