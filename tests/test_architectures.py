@@ -205,6 +205,22 @@ def test_variants_through_paged_and_int8(arch, tokenizer, tmp_path):
           f"greedy {drift.greedy_agreement:.0%}")
 
 
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.xdist_group(f"arch-{a}-paged"))
+                                  for a in ("qwen3", "falcon")])
+def test_paged_where_the_rotary_stays_on_the_heads(arch, tokenizer, tmp_path):
+    """A QK-norm (qwen3) and a multi-query (falcon) model rotate k in its [B, H, T, D] form, which the ort
+    paged-attention step cannot move to the 3D form: their paged compile (a cycle through new_key_i in the
+    legalized graph before) equals the contiguous artifact, one prompt at a time and batched, with a context long
+    enough for the pool form."""
+    directory = build_model(arch, tmp_path / arch, tokenizer)
+    prompts = MIXED + [" ".join(f"word{i}" for i in range(80))]
+    fxllm.compile(directory, tmp_path / "contiguous")
+    expected, _ = engine_tokens(tmp_path / "contiguous", prompts)
+    fxllm.compile(directory, tmp_path / "paged", passes=PAGED)
+    single, batched = engine_tokens(tmp_path / "paged", prompts)
+    assert single == expected and batched == expected
+
+
 def test_learned_positions_quantize_and_draft_unrolled(tokenizer, tmp_path):
     """OPT (learned positions, a context of 256 under the quantizer's 512-token windows): a self-int4 draft
     compiles (the calibration windows are cut to the context) and its unrolled graph proposes what its one-step

@@ -502,7 +502,10 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
     step's few rows that the pool form does not need is gone (on 2 cores each small node costs microseconds)."""
     attention = site.attention
     q3, k3, v3 = bsd
-    if producer(site.new[0], "RotaryEmbedding") is not None and site.new[0].is_graph_output():
+    # where as_bsd moved the rotary to the 3D form, new_key_i becomes that rotated k; where it could not (a QK-norm
+    # or multi-query model rotates [B, H, T, D]), k3 reads new_key_i itself and new_key_i stays
+    moved_rotary = producer(site.new[0], "RotaryEmbedding") is not None and producer(k3, "RotaryEmbedding") is not None
+    if moved_rotary and site.new[0].is_graph_output():
         _output_from(build, site.new[0], k3, site.kv_heads, site.head_dim, attention)
     flat_chain = flat_consumer(attention.outputs[0])
     flat_output = flat_chain[-1].outputs[0] if flat_chain else None
