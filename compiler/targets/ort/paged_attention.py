@@ -13,6 +13,9 @@ after:  out = If(view_fits,
                        so the Concats, the mask and the Attention go — when one row or one token a row is fed
                        (the kernel's rule; a nested If), else and where a layer slides the Attention form above,
                        moved into the branch)
+        Where the gathered form is GroupQueryAttention its If comes first — If(not view_fits and the kernel takes
+        the step, GroupQueryAttention, If(view_fits, pool, Attention)) — so its path, the common one, runs one If
+        (a subgraph execution, ~20 µs on 2 cores) instead of two.
         q, k and v enter in their [B, T, H·D] layout (their RotaryEmbedding runs there, as group-query-attention
         has it; new_key_i becomes that rotated k in its output layout) and the If returns [B, T, Hq·D]: no
         transpose of the step's rows that the pool form does not need (on 2 cores each small node costs
@@ -183,6 +186,9 @@ class _Shared:
             one = self._int([1])
             single = node("Or", [node("Equal", [self.batch, one]), node("Equal", [self.tokens, one])])
             self.gqa_fits = node("Squeeze", [single], name="paged_gqa_fits")
+            # the outer If of a layer: GroupQueryAttention over the gathered past when the pool form does not run
+            # and the kernel takes the step, so that path (every short decode step, every prefill) runs one If
+            self.gqa_first = node("Squeeze", [node("And", [node("Not", [fits]), single])], name="paged_gqa_first")
         self._new_rows: dict[tuple[int, int], ir.Value] = {}
         self.split = node("Concat", [self.slots, self.rows], {"axis": 0})
         heads = site.q_heads
@@ -399,14 +405,17 @@ def _rewrite_packed(build: Builder, site: Site, shared: _Shared, bias: ir.Value,
     """Replace the site's attention, its q/k/v Split and rotaries and its step K/V outputs by one If with three
     outputs (attention, new_key_i, new_value_i), the Split and rotaries copied into the branches that need them:
 
-        If(view_fits,
-           then: Split, rotaries, the step's K/V to their output layout, the pool form;
-           else: the gathered past, then If(one row or one token a row,
-                 then: GroupQueryAttention(packed qkv, do_rotary): it rotates q and k itself, and the step's K/V
-                       are taken out of its present at rows context_lens + t (GatherElements); no Split,
-                       RotaryEmbedding, Reshape or Transpose runs (a short context's decode step: SmolLM2 fp32 at
-                       69 tokens, one step 1.087x → 1.061x the contiguous artifact's, benchmarks/step_ab.py);
-                 else: Split, rotaries, Concat + Attention as before))
+        If(not view_fits and (one row or one token a row),
+           then: the gathered past, GroupQueryAttention(packed qkv, do_rotary): it rotates q and k itself, and the
+                 step's K/V are taken out of its present at rows context_lens + t (GatherElements); no Split,
+                 RotaryEmbedding, Reshape or Transpose runs (a short context's decode step: SmolLM2 fp32 at 69
+                 tokens, one step 1.087x → 1.061x the contiguous artifact's, benchmarks/step_ab.py);
+           else: If(view_fits,
+                    then: Split, rotaries, the step's K/V to their output layout, the pool form;
+                    else: Split, rotaries, the gathered past, Concat + Attention as before))
+
+    The GroupQueryAttention path comes first because it is the common one (a decode step below VIEW_MIN_SLOTS, a
+    prefill, a batch of decoding rows) and every If costs the step a subgraph execution (~20 µs on 2 cores).
     """
     attention, origin = site.attention, build.origin
     flat_chain = flat_consumer(attention.outputs[0])
@@ -420,7 +429,7 @@ def _rewrite_packed(build: Builder, site: Site, shared: _Shared, bias: ir.Value,
     attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads, "scale": site.scale, "do_rotary": 1,
                   "rotary_interleaved": packed.q_rotary.attributes.get_int("interleaved", 0)}
     out, present_key, present_value = fused.node(
-        "GroupQueryAttention", [packed.qkv, None, None, key_gather.outputs[0], value_gather.outputs[0],
+        "GroupQueryAttention", [packed.qkv, None, None, fused.copy(key_gather), fused.copy(value_gather),
                                 shared.seqlens, shared.total, *tables], attributes, domain=MS_DOMAIN, outputs=3)
     fused.nodes[-1].metadata_props.update(attention.metadata_props)  # the model's attention, fused
     rows = shared.new_rows(site.kv_heads, site.head_dim)
@@ -447,15 +456,16 @@ def _rewrite_packed(build: Builder, site: Site, shared: _Shared, bias: ir.Value,
     keys = standard.copy(key_concat, [key_gather.outputs[0], k4])
     values = standard.copy(value_concat, [value_gather.outputs[0], v4])
     result = _moved_attention(standard, attention, [q3, keys, values, mask], shared, flat)
-    gathered = _Body(origin, f"paged_gathered_{site.layer}")
-    choice = gathered.node("If", [shared.gqa_fits], {
-        "then_branch": gqa_branch,
-        "else_branch": standard.graph(f"paged_gathered_attention_{site.layer}", [result, k4, v4])}, outputs=3)
-    gathered_branch = gathered.graph(f"paged_gathered_{site.layer}", list(choice), before=[key_gather, value_gather])
+    rest = _Body(origin, f"paged_rest_{site.layer}")
+    choice = rest.node("If", [shared.fits], {
+        "then_branch": view_branch,
+        "else_branch": standard.graph(f"paged_gathered_attention_{site.layer}", [result, k4, v4],
+                                      before=[key_gather, value_gather])}, outputs=3)
+    rest_branch = rest.graph(f"paged_rest_{site.layer}", list(choice))
 
     _detach([attention, key_concat, value_concat])
     replaced = flat_chain[-1].outputs[0] if flat else attention.outputs[0]
-    node = build.node("If", [shared.fits], {"then_branch": view_branch, "else_branch": gathered_branch},
+    node = build.node("If", [shared.gqa_first], {"then_branch": gqa_branch, "else_branch": rest_branch},
                       before=_first_use(replaced), outputs=3, name=f"paged_attention_{site.layer}")
     _take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
     take_place(site.new[0], node.outputs[1], "separate_rotary")
@@ -496,7 +506,8 @@ def _take_output(value: ir.Value, replaced: ir.Value, name: str) -> None:
 def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: bool,
              bsd: tuple[ir.Value, ir.Value, ir.Value]) -> None:
     """Replace the site's attention by If(view_fits, pool attention, the gathered attention moved into the
-    else branch). q, k and v enter the pool form in their [B, T, H·D] layout `bsd` (the rotary runs there, as
+    else branch); where the gathered form is GroupQueryAttention, If(its form, If(view_fits, pool, Attention)).
+    q, k and v enter the pool form in their [B, T, H·D] layout `bsd` (the rotary runs there, as
     group-query-attention does it; new_key_i is then that rotated k in the output's layout), and the If returns
     [B, T, Hq·D] where the attention's only consumer was the Transpose + Reshape to it: every transpose of the
     step's few rows that the pool form does not need is gone (on 2 cores each small node costs microseconds)."""
@@ -516,32 +527,41 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
     key_gather, value_gather, key_concat, value_concat = site.gathered
     build.graph.remove([key_gather, value_gather, key_concat, value_concat, attention])
     standard = _Body(build.origin, f"paged_gathered_attention_{site.layer}")  # Concat + Attention, moved
-    result = _moved_attention(standard, attention, [q3, *attention.inputs[1:]], shared, flat_output is not None)
-    _detach([attention])
+    flat = flat_output is not None
+    replaced = flat_output if flat else attention.outputs[0]
     if not gqa:
+        result = _moved_attention(standard, attention, [q3, *attention.inputs[1:]], shared, flat)
+        _detach([attention])
         else_branch = standard.graph(f"paged_gathered_{site.layer}", [result],
                                      before=[key_gather, value_gather, key_concat, value_concat])
+        node = build.node("If", [shared.fits], {"then_branch": then_branch, "else_branch": else_branch},
+                          before=_first_use(replaced), name=f"paged_attention_{site.layer}")
     else:
-        # the gathered past [B, Hkv, table slots, D]; the op places the step's keys after each row's context_lens
-        # in its own present copy and attends causally to context + new (unfilled slots are never read). ONNX
-        # Runtime's kernel takes several new tokens with a past only for one row: a batch of several rows feeding
-        # several tokens each (speculative verification) takes the Concat + Attention form
+        # If(not view_fits and the kernel takes the step: GroupQueryAttention over the gathered past [B, Hkv,
+        # table slots, D] (the op places the step's keys after each row's context_lens in its own present copy
+        # and attends causally to context + new; unfilled slots are never read), else If(view_fits, the pool
+        # form, Concat + Attention over a gathered past of its own)). The common path runs one If (see
+        # _rewrite_packed). ONNX Runtime's kernel takes several new tokens with a past only for one row: a batch
+        # of several rows feeding several tokens each (speculative verification) takes the Attention form
+        result = _moved_attention(standard, attention, [q3, *attention.inputs[1:]], shared, flat)
+        _detach([attention])
         fused = _Body(build.origin, f"paged_gqa_{site.layer}")
         attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads, "scale": site.scale}
-        out = fused.node("GroupQueryAttention", [q3, k3, v3, key_gather.outputs[0], value_gather.outputs[0],
+        out = fused.node("GroupQueryAttention", [q3, k3, v3, fused.copy(key_gather), fused.copy(value_gather),
                                                  shared.seqlens, shared.total], attributes,
                          domain=MS_DOMAIN, outputs=3)[0]  # [B, T, Hq·D]
-        if flat_output is None:
+        if not flat:
             out = fused.heads(out, shared.head_shape)
-        outer = _Body(build.origin, f"paged_gathered_{site.layer}")
-        choice = outer.node("If", [shared.gqa_fits],
-                            {"then_branch": fused.graph(f"paged_gqa_{site.layer}", [out]),
-                             "else_branch": standard.graph(f"paged_gathered_attention_{site.layer}", [result],
-                                                           before=[key_concat, value_concat])})
-        else_branch = outer.graph(f"paged_gathered_{site.layer}", [choice], before=[key_gather, value_gather])
-    replaced = flat_output if flat_output is not None else attention.outputs[0]
-    node = build.node("If", [shared.fits], {"then_branch": then_branch, "else_branch": else_branch},
-                      before=_first_use(replaced), name=f"paged_attention_{site.layer}")
+        rest = _Body(build.origin, f"paged_rest_{site.layer}")
+        choice = rest.node("If", [shared.fits],
+                           {"then_branch": then_branch,
+                            "else_branch": standard.graph(f"paged_gathered_attention_{site.layer}", [result],
+                                                          before=[key_gather, value_gather, key_concat,
+                                                                  value_concat])})
+        node = build.node("If", [shared.gqa_first],
+                          {"then_branch": fused.graph(f"paged_gqa_{site.layer}", [out]),
+                           "else_branch": rest.graph(f"paged_rest_{site.layer}", [choice])},
+                          before=_first_use(replaced), name=f"paged_attention_{site.layer}")
     _take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
     if flat_chain:
         build.graph.remove(flat_chain)
