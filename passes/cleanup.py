@@ -1,9 +1,10 @@
 """Pass `cleanup`: drop export's runtime asserts and shape guards, identity casts and dead code; spell a Conv1D
-projection (GPT-2's addmm with a constant [in, out] weight) as the linear every later pass recognizes.
+projection (GPT-2's addmm with a constant [in, out] weight) and a product with a transposed constant weight
+(Falcon's `x @ W.T`) as the linear every later pass recognizes.
 
 before: `_assert_tensor_metadata` / `_guards_fn(...)` / `to(x, same dtype)` / unused mask bookkeeping /
-        addmm(b, x, W)
-→ after: only ops that compute (lowering re-exports, which derives its own guards); linear(x, Wᵀ, b).
+        addmm(b, x, W) / matmul(x, W.T)
+→ after: only ops that compute (lowering re-exports, which derives its own guards); linear(x, Wᵀ, b) / linear(x, W).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fxllm.compiler.program import Program
 from fxllm.compiler.projections import constant, drop_unused_attributes
 
 aten = torch.ops.aten
+TRANSPOSES = {aten.numpy_T.default, aten.t.default}
 ASSERT_OPS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
 GUARDS_MODULE = "_guards_fn"  # torch.export's unlifted module checks input shapes with this submodule
 CAST_OPS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device}
@@ -50,6 +52,7 @@ def cleanup(program: Program) -> Program:
             graph.erase_node(node)
     graph.eliminate_dead_code()
     _linears_from_addmm(program)
+    _linears_from_transposed_matmul(program)
     return program
 
 
@@ -74,3 +77,32 @@ def _linears_from_addmm(program: Program) -> None:
         converted += 1
     if converted:
         drop_unused_attributes(program)
+
+
+def _linears_from_transposed_matmul(program: Program) -> None:
+    """matmul(x, Wᵀ) with a constant 2-D W [out, in] (Falcon's FalconLinear computes `x @ self.weight.T`) →
+    linear(x, W): the same product, in the form quantize, fuse-projections and the lowerings look for (Falcon had
+    no linear for --quant to find). A transpose spelled as transpose(W, 0, 1) or permute(W, [1, 0]) counts too."""
+    graph = program.graph
+    for node in [n for n in graph.nodes if n.target is aten.matmul.default and not n.kwargs]:
+        x, transposed = node.args
+        if not isinstance(transposed, torch.fx.Node) or not _is_2d_transpose(transposed):
+            continue
+        weight = constant(program, transposed.args[0])
+        if weight is None or weight.dim() != 2:
+            continue
+        with graph.inserting_before(node):
+            linear = graph.call_function(aten.linear.default, (x, transposed.args[0]))
+        linear.meta.update(node.meta)
+        node.replace_all_uses_with(linear)
+        graph.erase_node(node)
+        if not transposed.users:
+            graph.erase_node(transposed)
+
+
+def _is_2d_transpose(node: torch.fx.Node) -> bool:
+    if node.target in TRANSPOSES:
+        return True
+    if node.target is aten.transpose.int:
+        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
+    return node.target is aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0]

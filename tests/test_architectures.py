@@ -221,6 +221,20 @@ def test_paged_where_the_rotary_stays_on_the_heads(arch, tokenizer, tmp_path):
     assert single == expected and batched == expected
 
 
+def test_a_product_with_a_transposed_weight_is_quantized(tokenizer, tmp_path):
+    """Falcon's projections compute `x @ W.T` (no linear): cleanup spells them as linears, exactly, so int8 finds
+    every projection (it refused: 'the calibration walk ended before reaching every linear layer')."""
+    import onnx
+
+    directory = build_model("falcon", tmp_path / "falcon", tokenizer)
+    report = fxllm.compile(directory, tmp_path / "int8", quant="int8")
+    assert next(r for r in report.records if r.name == "cleanup").drift.max_abs_logit == 0
+    assert 0 < next(r for r in report.records if r.name == "quantize").drift.mean_kl < 0.05
+    model = onnx.load(str(tmp_path / "int8" / "model.onnx"), load_external_data=False)
+    int8 = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 2]
+    assert len(int8) >= 3 * COMMON["num_hidden_layers"]  # per layer: the fused q/k/v (+ MLP up, both read one norm), dense, MLP down
+
+
 def test_learned_positions_quantize_and_draft_unrolled(tokenizer, tmp_path):
     """OPT (learned positions, a context of 256 under the quantizer's 512-token windows): a self-int4 draft
     compiles (the calibration windows are cut to the context) and its unrolled graph proposes what its one-step
