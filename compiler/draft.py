@@ -76,11 +76,24 @@ def check_same_vocab(target_vocab: int, draft_vocab: int, draft_name: str) -> No
 
 def truncate_layers(model, layers: int):
     """Keep the first `layers` decoder layers (the final norm and lm_head stay): the self-layers draft."""
-    decoder = getattr(model, "model", None)
-    if decoder is None or not hasattr(decoder, "layers"):
-        raise PipelineError(f"self-layers drafts need a decoder with .model.layers; {type(model).__name__} has none")
-    decoder.layers = decoder.layers[:layers]
+    owner, name = _decoder_layers(model)
+    setattr(owner, name, getattr(owner, name)[:layers])
     model.config.num_hidden_layers = layers
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = model.config.layer_types[:layers]
     return model
+
+
+def _decoder_layers(model) -> tuple[object, str]:
+    """(module, attribute) of the decoder's layer list: the one ModuleList in the base model with
+    config.num_hidden_layers entries (model.layers in Llama-likes, transformer.h in GPT-2 and Falcon,
+    gpt_neox.layers, model.decoder.layers in OPT)."""
+    import torch
+
+    count = getattr(model.config, "num_hidden_layers", None)
+    found = [(module, name) for module in model.base_model.modules() for name, child in module.named_children()
+             if isinstance(child, torch.nn.ModuleList) and len(child) == count]
+    if len(found) != 1:
+        raise PipelineError(f"self-layers drafts need one list of decoder layers; {type(model).__name__} has "
+                            f"{len(found)} lists of {count} modules")
+    return found[0]

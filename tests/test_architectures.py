@@ -249,6 +249,20 @@ def test_learned_positions_quantize_and_draft_unrolled(tokenizer, tmp_path):
         assert engine.stats().speculative.accepted > 0
 
 
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.xdist_group(f"arch-{a}-draft"))
+                                  for a in ("gpt_neox", "falcon")])
+def test_self_layers_draft_where_the_layers_are_not_model_layers(arch, tokenizer, tmp_path):
+    """The decoder's layers live in gpt_neox.layers / transformer.h, not model.layers: a self-layers draft is cut
+    from them (it refused), and speculative decoding keeps the target's greedy tokens."""
+    directory = build_model(arch, tmp_path / arch, tokenizer)
+    fxllm.compile(directory, tmp_path / "spec", draft="self-layers:1", spec_k=3)
+    expected = [r.token_ids for r in fxllm.load(tmp_path / "spec", speculative=False).generate(PROMPTS,
+                                                                                               max_new_tokens=16)]
+    engine = fxllm.load(tmp_path / "spec")
+    assert [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=16)] == expected
+    assert engine.stats().speculative.proposed > 0
+
+
 def test_sliding_window_blocks_are_released(tokenizer, tmp_path):
     """Every Mistral layer slides: a paged sequence holds only the blocks its window reaches, not its context."""
     directory = build_model("mistral", tmp_path / "mistral", tokenizer)
