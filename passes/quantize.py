@@ -108,6 +108,9 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
     if embedding != "float":
         _quantize_embedding(program, _side_format(embedding, group_size))
     expert_rows, expert_notes = quantize_experts(program, main_fmt)
+    if not results and not expert_rows:
+        raise PipelineError("quantize: the model has no linear projection with a constant weight to quantize "
+                            f"({program.spec.architecture})")
     layers += expert_rows
     program.spec.notes += [f"quantize: {note}" for note in expert_notes]
     drop_unused_attributes(program)
@@ -164,6 +167,8 @@ def _quantize_all(program: Program, formats: dict[Node, QuantFormat], method: st
                   damp: float, act_order: bool, mse: bool) -> list[QuantizedLinear]:
     """Without calibration each layer is rounded on its own; with it, layers are visited in graph order on the
     calibration activations, each seeing the outputs of the already-quantized layers before it."""
+    if not formats:  # nothing for the walk to stop at (an MoE model's experts are quantized apart)
+        return []
     if tokens is None:
         results = []
         for node in progress(list(formats), desc="quantize", unit="layer"):

@@ -233,6 +233,13 @@ def test_a_product_with_a_transposed_weight_is_quantized(tokenizer, tmp_path):
     model = onnx.load(str(tmp_path / "int8" / "model.onnx"), load_external_data=False)
     int8 = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 2]
     assert len(int8) >= 3 * COMMON["num_hidden_layers"]  # per layer: the fused q/k/v (+ MLP up, both read one norm), dense, MLP down
+    # without cleanup's rewrite there is nothing to quantize, and the compile says so (no artifact is written)
+    from fxllm.errors import PipelineError
+
+    with pytest.raises(PipelineError, match="no linear projection with a constant weight to quantize"):
+        fxllm.compile(directory, tmp_path / "nothing", quant="int8",
+                      passes="gqa,fuse-projections,select-logits,quantize,kv-cache")
+    assert not (tmp_path / "nothing").exists()
 
 
 def test_learned_positions_quantize_and_draft_unrolled(tokenizer, tmp_path):
