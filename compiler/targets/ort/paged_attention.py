@@ -185,9 +185,9 @@ class _Shared:
             self.total = node("Cast", [total], {"to": ir.DataType.INT32}, name="paged_gqa_total_sequence_length")
             one = self._int([1])
             single = node("Or", [node("Equal", [self.batch, one]), node("Equal", [self.tokens, one])])
-            self.gqa_fits = node("Squeeze", [single], name="paged_gqa_fits")
             # the outer If of a layer: GroupQueryAttention over the gathered past when the pool form does not run
-            # and the kernel takes the step, so that path (every short decode step, every prefill) runs one If
+            # and the kernel takes the step (one row, or one token a row), so that path (a short decode step, a
+            # prefill, a batch of decoding rows) runs one If
             self.gqa_first = node("Squeeze", [node("And", [node("Not", [fits]), single])], name="paged_gqa_first")
         self._new_rows: dict[tuple[int, int], ir.Value] = {}
         self.split = node("Concat", [self.slots, self.rows], {"axis": 0})
@@ -529,9 +529,9 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
     standard = _Body(build.origin, f"paged_gathered_attention_{site.layer}")  # Concat + Attention, moved
     flat = flat_output is not None
     replaced = flat_output if flat else attention.outputs[0]
+    result = _moved_attention(standard, attention, [q3, *attention.inputs[1:]], shared, flat)
+    _detach([attention])
     if not gqa:
-        result = _moved_attention(standard, attention, [q3, *attention.inputs[1:]], shared, flat)
-        _detach([attention])
         else_branch = standard.graph(f"paged_gathered_{site.layer}", [result],
                                      before=[key_gather, value_gather, key_concat, value_concat])
         node = build.node("If", [shared.fits], {"then_branch": then_branch, "else_branch": else_branch},
@@ -543,8 +543,6 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
         # form, Concat + Attention over a gathered past of its own)). The common path runs one If (see
         # _rewrite_packed). ONNX Runtime's kernel takes several new tokens with a past only for one row: a batch
         # of several rows feeding several tokens each (speculative verification) takes the Attention form
-        result = _moved_attention(standard, attention, [q3, *attention.inputs[1:]], shared, flat)
-        _detach([attention])
         fused = _Body(build.origin, f"paged_gqa_{site.layer}")
         attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads, "scale": site.scale}
         out = fused.node("GroupQueryAttention", [q3, k3, v3, fused.copy(key_gather), fused.copy(value_gather),
