@@ -87,9 +87,12 @@ def truncate_layers(model, layers: int):
 def _decoder_layers(model) -> tuple[object, str]:
     """(module, attribute) of the decoder's layer list: the one ModuleList in the base model with
     config.num_hidden_layers entries (model.layers in Llama-likes, transformer.h in GPT-2 and Falcon,
-    gpt_neox.layers, model.decoder.layers in OPT)."""
+    gpt_neox.layers, model.decoder.layers in OPT); model.layers first, where it exists."""
     import torch
 
+    decoder = getattr(model, "model", None)
+    if isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
+        return decoder, "layers"
     count = getattr(model.config, "num_hidden_layers", None)
     found = [(module, name) for module in model.base_model.modules() for name, child in module.named_children()
              if isinstance(child, torch.nn.ModuleList) and len(child) == count]
