@@ -456,23 +456,31 @@ def _rewrite_packed(build: Builder, site: Site, shared: _Shared, bias: ir.Value,
     keys = standard.copy(key_concat, [key_gather.outputs[0], k4])
     values = standard.copy(value_concat, [value_gather.outputs[0], v4])
     result = _moved_attention(standard, attention, [q3, keys, values, mask], shared, flat)
-    rest = _Body(origin, f"paged_rest_{site.layer}")
-    choice = rest.node("If", [shared.fits], {
-        "then_branch": view_branch,
-        "else_branch": standard.graph(f"paged_gathered_attention_{site.layer}", [result, k4, v4],
-                                      before=[key_gather, value_gather])}, outputs=3)
-    rest_branch = rest.graph(f"paged_rest_{site.layer}", list(choice))
+    standard_branch = standard.graph(f"paged_gathered_attention_{site.layer}", [result, k4, v4],
+                                     before=[key_gather, value_gather])
 
     _detach([attention, key_concat, value_concat])
     replaced = flat_chain[-1].outputs[0] if flat else attention.outputs[0]
-    node = build.node("If", [shared.gqa_first], {"then_branch": gqa_branch, "else_branch": rest_branch},
-                      before=_first_use(replaced), outputs=3, name=f"paged_attention_{site.layer}")
+    node = _gqa_first(build, shared, site.layer, gqa_branch, view_branch, standard_branch, _first_use(replaced))
     _take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
     take_place(site.new[0], node.outputs[1], "separate_rotary")
     take_place(site.new[1], node.outputs[2], "separate_rotary")
     if flat:
         build.graph.remove(flat_chain)
         _detach(flat_chain)
+
+
+def _gqa_first(build: Builder, shared: _Shared, layer: int, gqa: ir.Graph, view: ir.Graph, standard: ir.Graph,
+               before: ir.Node) -> ir.Node:
+    """The layer's If(not view_fits and the kernel takes the step, `gqa`, If(view_fits, `view`, `standard`)), one
+    output per branch output, placed before `before`."""
+    outputs = len(gqa.outputs)
+    rest = _Body(build.origin, f"paged_rest_{layer}")
+    choice = rest.node("If", [shared.fits], {"then_branch": view, "else_branch": standard}, outputs=outputs)
+    choice = [choice] if outputs == 1 else list(choice)
+    return build.node("If", [shared.gqa_first],
+                      {"then_branch": gqa, "else_branch": rest.graph(f"paged_rest_{layer}", choice)},
+                      before=before, outputs=outputs, name=f"paged_attention_{layer}")
 
 
 def _moved_attention(body: _Body, attention: ir.Node, inputs: list[ir.Value], shared: _Shared, flat: bool) -> ir.Value:
@@ -550,16 +558,10 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
                          domain=MS_DOMAIN, outputs=3)[0]  # [B, T, Hq·D]
         if not flat:
             out = fused.heads(out, shared.head_shape)
-        rest = _Body(build.origin, f"paged_rest_{site.layer}")
-        choice = rest.node("If", [shared.fits],
-                           {"then_branch": then_branch,
-                            "else_branch": standard.graph(f"paged_gathered_attention_{site.layer}", [result],
-                                                          before=[key_gather, value_gather, key_concat,
-                                                                  value_concat])})
-        node = build.node("If", [shared.gqa_first],
-                          {"then_branch": fused.graph(f"paged_gqa_{site.layer}", [out]),
-                           "else_branch": rest.graph(f"paged_rest_{site.layer}", [choice])},
-                          before=_first_use(replaced), name=f"paged_attention_{site.layer}")
+        standard_branch = standard.graph(f"paged_gathered_attention_{site.layer}", [result],
+                                         before=[key_gather, value_gather, key_concat, value_concat])
+        node = _gqa_first(build, shared, site.layer, fused.graph(f"paged_gqa_{site.layer}", [out]), then_branch,
+                          standard_branch, _first_use(replaced))
     _take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
     if flat_chain:
         build.graph.remove(flat_chain)
