@@ -88,7 +88,8 @@ class CompletionWriter:
                 if self.request.logprobs is not None and output.prompt_logprobs is not None:
                     in_prompt = TextOffsets()
                     first = first_prompt_position(self.texts, prompt.token_ids[0], in_prompt)
-                    logprobs = extend(first, completion_logprobs(self.texts, output.prompt_logprobs[1:], in_prompt))
+                    rest = completion_logprobs(self.texts, output.prompt_logprobs[1:], in_prompt, generated=False)
+                    logprobs = extend(first, rest)
                 state.offsets = TextOffsets(len(prompt.text))
         if output.logprobs is not None:
             generated = completion_logprobs(self.texts, output.logprobs, state.offsets)

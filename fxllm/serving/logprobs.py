@@ -2,7 +2,9 @@
 {token text: logprob}, `text_offset`) and chat (`content`: token, logprob, UTF-8 bytes, top_logprobs).
 
 A token's text is the bytes it adds to the text (tokenizer.token_bytes), decoded as UTF-8; a token holding part of
-a multi-byte character is written `bytes:\\xNN...` as the OpenAI API does. In the completions shape the chosen token
+a multi-byte character is written `bytes:\\xNN...` as the OpenAI API does. A special token keeps its text in
+`tokens`, but adds nothing to a generated text (which is decoded without special tokens), so its `text_offset` is
+that of the next character. In the completions shape the chosen token
 is always among `top_logprobs` (so a position may list N + 1 tokens, as the reference says); tokens whose texts
 coincide share one key there.
 """
@@ -22,6 +24,7 @@ class TokenTexts:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.text = lru_cache(maxsize=65536)(self._text)
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))  # generated text drops them
 
     def bytes(self, token_id: int) -> bytes:
         return self.tokenizer.token_bytes(token_id)
@@ -50,8 +53,10 @@ class TextOffsets:
         return offset
 
 
-def completion_logprobs(texts: TokenTexts, positions: list[TokenLogprobs], offsets: TextOffsets) -> CompletionLogprobs:
-    """Positions at the choice's next characters (`offsets` moves past them)."""
+def completion_logprobs(texts: TokenTexts, positions: list[TokenLogprobs], offsets: TextOffsets,
+                        generated: bool = True) -> CompletionLogprobs:
+    """Positions at the choice's next characters (`offsets` moves past them). Generated positions (not an echoed
+    prompt's, whose text keeps its special tokens) move past nothing for a special token."""
     result = CompletionLogprobs()
     for position in positions:
         token = texts.text(position.token_id)
@@ -60,7 +65,8 @@ def completion_logprobs(texts: TokenTexts, positions: list[TokenLogprobs], offse
         result.tokens.append(token)
         result.token_logprobs.append(position.logprob)
         result.top_logprobs.append(top)
-        result.text_offset.append(offsets.advance(texts.bytes(position.token_id)))
+        skipped = generated and position.token_id in texts.special_ids
+        result.text_offset.append(offsets.advance(b"" if skipped else texts.bytes(position.token_id)))
     return result
 
 

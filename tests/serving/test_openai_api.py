@@ -398,6 +398,30 @@ def test_text_offsets_count_characters_of_the_text(client):
             assert any(token.startswith("bytes:") for token in tokens)  # the emoji came in pieces
 
 
+def test_a_generated_special_token_adds_no_character(engine):
+    """A generated text is decoded without special tokens, so a special token's text_offset is the next
+    character's (it pointed past the text's end); an echoed prompt's text keeps them, and counts them."""
+    from fxllm.runtime.request import TokenLogprobs
+    from fxllm.serving.logprobs import TextOffsets, TokenTexts, completion_logprobs
+
+    tokenizer = engine.tokenizer
+    special = min(tokenizer.all_special_ids)
+    ids = tokenizer.encode("Hi there", add_special_tokens=False)
+    ids = [ids[0], special, *ids[1:]]
+    positions = [TokenLogprobs(i, -1.0) for i in ids]
+    texts = TokenTexts(tokenizer)
+    generated = completion_logprobs(texts, positions, TextOffsets())
+    text = tokenizer.decode(ids)
+    assert generated.tokens[1] == tokenizer.token_bytes(special).decode()  # listed with its text
+    assert generated.text_offset[1] == generated.text_offset[2] <= len(text)
+    for offset, token in zip(generated.text_offset[2:], generated.tokens[2:]):
+        assert text[offset:offset + len(token)] == token
+    echoed = completion_logprobs(texts, positions, TextOffsets(), generated=False)
+    prompt_text = tokenizer.decode(ids, skip_special_tokens=False)
+    for offset, token in zip(echoed.text_offset, echoed.tokens):
+        assert prompt_text[offset:offset + len(token)] == token
+
+
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
     """A prompt near the body limit takes seconds to tokenize; meanwhile the server answers others (before it,
     /health waited until that prompt's 400)."""
