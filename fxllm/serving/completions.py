@@ -41,6 +41,7 @@ async def create_completion(service: OpenAIService, request: CompletionRequest) 
     service.check_model(request.model)
     check_supported(request)
     n = choices_per_prompt(request.n)
+    service.check_size(prompt_count(request.prompt) * n)  # before tokenizing: a huge list is refused at once
     prompts = await read_prompts(service, request.prompt)
     top = request.logprobs
     choices = []
@@ -50,6 +51,13 @@ async def create_completion(service: OpenAIService, request: CompletionRequest) 
         choices += [Choice(p * n + i, prompt.token_ids, params[i]) for i in range(n)]
     writer = CompletionWriter(service, request, prompts, n, f"cmpl-{uuid.uuid4().hex}")
     return await respond(writer, service.start(choices, writer.id), bool(request.stream))
+
+
+def prompt_count(prompt) -> int:
+    """How many prompts `prompt` holds (one string, one list of token ids, or a list of either)."""
+    if isinstance(prompt, str) or not prompt or all(isinstance(item, int) for item in prompt):
+        return 1
+    return len(prompt)
 
 
 async def read_prompts(service: OpenAIService, prompt) -> list[Prompt]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -420,6 +421,18 @@ def test_a_generated_special_token_adds_no_character(engine):
     prompt_text = tokenizer.decode(ids, skip_special_tokens=False)
     for offset, token in zip(echoed.text_offset, echoed.tokens):
         assert prompt_text[offset:offset + len(token)] == token
+
+
+def test_a_list_of_more_prompts_than_the_server_admits_is_refused_before_tokenizing(client):
+    """The number of choices (prompts × n) is known before any prompt is tokenized: 100,000 one-word prompts are
+    refused at once (they were tokenized one by one first, then built into choices on the event loop)."""
+    for prompt, n in ((["a"] * 100_000, 1), ([[5]] * 40, 2)):
+        started = time.perf_counter()
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL, prompt=prompt, n=n, max_tokens=1)
+        assert refused.value.body["param"] == "n" and f"asks for {len(prompt) * n} completions" in \
+            refused.value.body["message"], refused.value.body
+        print(f"{len(prompt)} prompts × {n} refused in {time.perf_counter() - started:.2f} s")
 
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
