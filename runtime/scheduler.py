@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fxllm.errors import GenerationError
+from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.block_manager import BlockManager, OutOfBlocks
 from fxllm.runtime.request import Request, RequestStatus
 
@@ -115,10 +115,12 @@ class PagedScheduler(_Queues):
         """Refuse a request the pool could never hold, before it waits forever."""
         needed = self.manager.blocks_needed(prompt_tokens + max_tokens)
         if needed > self.manager.num_blocks:
-            raise GenerationError(
+            prompt_fits = self.manager.blocks_needed(prompt_tokens + 1) <= self.manager.num_blocks
+            raise InvalidArgumentError(
+                "max_tokens" if prompt_fits else "prompt",
                 f"a request of {prompt_tokens} prompt + {max_tokens} new tokens needs {needed} KV blocks, but the "
                 f"pool has {self.manager.num_blocks} ({self.manager.capacity_tokens} tokens); raise the KV budget "
-                "or lower max_new_tokens")
+                "or ask for fewer tokens")
 
     def remove(self, request: Request) -> None:
         """The request leaves (finished, aborted, failed): out of the queues, its blocks freed at once."""

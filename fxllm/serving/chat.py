@@ -46,11 +46,13 @@ async def create_chat_completion(service: OpenAIService,
     top = (request.top_logprobs or 0) if request.logprobs else None
     prompt_ids = await service.encode_chat(template_messages(request.messages))
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    # the engine's max_tokens is whichever field the client set
+    fields = {"max_tokens": "max_completion_tokens"} if request.max_completion_tokens is not None else None
     params = sampling_params(request, n, max_new_tokens(requested, len(prompt_ids), service.max_sequence_tokens),
-                             logprobs=top)
+                             logprobs=top, fields=fields)
     writer = ChatWriter(service, request, len(prompt_ids), n, f"chatcmpl-{uuid.uuid4().hex}")
-    return await respond(writer, service.start([Choice(i, prompt_ids, params[i]) for i in range(n)], writer.id),
-                         bool(request.stream))
+    choices = [Choice(i, prompt_ids, params[i]) for i in range(n)]
+    return await respond(writer, service.start(choices, writer.id, fields), bool(request.stream))
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:

@@ -69,7 +69,7 @@ async def read_prompts(service: OpenAIService, prompt) -> list[Prompt]:
         return [Prompt(None, list(prompt))]
     if all(isinstance(item, str) for item in prompt):
         return [Prompt(text, await service.encode(text)) for text in prompt]
-    return [Prompt(None, list(ids)) for ids in prompt]
+    return [Prompt(None, service.token_ids(f"prompt[{p}]", ids)) for p, ids in enumerate(prompt)]
 
 
 class CompletionWriter:

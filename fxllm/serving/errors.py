@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -62,9 +63,14 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code}}
 
 
-def bad_request(exc: FxllmError) -> APIError:
-    """An engine refusal (GenerationError / InvalidArgumentError: one line) as a 400."""
-    return APIError(400, str(exc), param=getattr(exc, "param", None))
+def bad_request(exc: FxllmError, fields: Mapping[str, str] | None = None) -> APIError:
+    """An engine refusal (GenerationError / InvalidArgumentError: one line) as a 400. `fields`: the request's own
+    name of an engine argument where they differ (chat's max_completion_tokens is the engine's max_tokens), used as
+    the error's param and in its message."""
+    message, param = str(exc), getattr(exc, "param", None)
+    if fields and param in fields:
+        message, param = message.replace(param, fields[param]), fields[param]
+    return APIError(400, message, param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

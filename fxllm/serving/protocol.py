@@ -153,7 +153,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "fxllm"
-    max_model_len: Optional[int] = Field(None, description="extension: the model's context in tokens")
+    max_model_len: Optional[int] = Field(None, description="extension: the longest sequence served, in tokens "
+                                                           "(the context, or a smaller KV pool's room)")
 
 
 class ModelList(BaseModel):

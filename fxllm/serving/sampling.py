@@ -8,6 +8,8 @@ with the same seed gives the same choices again. Without a seed every choice sam
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fxllm.errors import GenerationError
 from fxllm.runtime.request import SamplingParams
 from fxllm.serving.errors import APIError, bad_request
@@ -46,8 +48,9 @@ def choices_per_prompt(n: int | None) -> int:
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, n: int, max_tokens: int,
-                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[SamplingParams]:
-    """The n choices' SamplingParams for one prompt."""
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    fields: Mapping[str, str] | None = None) -> list[SamplingParams]:
+    """The n choices' SamplingParams for one prompt (a refusal names the request's `fields`, as bad_request)."""
     top_k = 0 if request.top_k in (None, -1) else request.top_k
     stop = () if request.stop is None else request.stop
     try:
@@ -58,7 +61,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, n: int, 
                                prompt_logprobs=prompt_logprobs)
                 for i in range(n)]
     except GenerationError as exc:
-        raise bad_request(exc) from None
+        raise bad_request(exc, fields) from None
 
 
 def max_new_tokens(requested: int | None, prompt_length: int, max_sequence_tokens: int) -> int:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fxllm.errors import GenerationError
 from fxllm.runtime import checks
 from fxllm.runtime.async_engine import AsyncEngine
 from fxllm.runtime.request import SamplingParams
+from fxllm.runtime.request_validation import check_token_ids
 from fxllm.serving.errors import APIError, bad_request
 from fxllm.serving.logprobs import TokenTexts
 from fxllm.serving.metrics import ServingMetrics
@@ -101,7 +103,7 @@ class OpenAIService:
         return await create_chat_completion(self, request)
 
     async def card(self, name: str) -> ModelCard:
-        return ModelCard(id=name, created=self.created, max_model_len=self.max_context)
+        return ModelCard(id=name, created=self.created, max_model_len=self.max_sequence_tokens)
 
     async def health(self) -> str:
         return "ok" if self.engine.accepting else "shutting down"
@@ -122,11 +124,19 @@ class OpenAIService:
         """From now on new requests get 503 and /health says "shutting down"; running requests go on."""
         self.engine.driver.accepting = False
 
-    def check_choice(self, choice: Choice) -> None:
+    def check_choice(self, choice: Choice, fields: Mapping[str, str] | None = None) -> None:
         """The engine core's own checks of a request (400 with its one-line message, `param` from an
-        InvalidArgumentError), made before anything starts, so that a bad choice refuses the whole HTTP request."""
+        InvalidArgumentError, renamed by `fields` as bad_request does), made before anything starts, so that a bad
+        choice refuses the whole HTTP request."""
         try:
             self.core.check(choice.prompt_ids, choice.params)
+        except GenerationError as exc:
+            raise bad_request(exc, fields) from None
+
+    def token_ids(self, name: str, ids: list[int]) -> list[int]:
+        """One token-id prompt, checked against the vocabulary under its own name (`prompt[2]`): 400 if bad."""
+        try:
+            return check_token_ids(name, ids, self.core.vocab_size, param="prompt")
         except GenerationError as exc:
             raise bad_request(exc) from None
 
@@ -184,12 +194,12 @@ class OpenAIService:
     def admitted(self) -> int:
         return self._admitted
 
-    def start(self, choices: list[Choice], request_id: str) -> GenerationRun:
-        """Check every choice (a bad one refuses them all: 400), admit them together (429) and start them; returns
-        the running GenerationRun."""
+    def start(self, choices: list[Choice], request_id: str, fields: Mapping[str, str] | None = None) -> GenerationRun:
+        """Check every choice (a bad one refuses them all: 400; `fields` as check_choice), admit them together (429)
+        and start them; returns the running GenerationRun."""
         self.check_accepting()
         self.check_size(len(choices))
         for choice in choices:
-            self.check_choice(choice)
+            self.check_choice(choice, fields)
         self.admit(len(choices))
         return GenerationRun(self, choices, request_id)

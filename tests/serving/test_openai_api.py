@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+import fxllm
+
 from fxllm.runtime.request import SamplingParams
 from tests.conftest import PROMPTS
 from tests.serving.conftest import API_KEY, MODEL, wait_until
@@ -346,6 +348,43 @@ def test_completion_errors(server, body, status, param):
     response = httpx.post(f"{server.url}/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
     assert response.status_code == status, response.text
     assert error_of(response)["param"] == param
+
+
+def test_errors_name_the_field_the_client_sent(server):
+    """A refusal names the request's own field: chat's max_completion_tokens (the engine's max_tokens), and the
+    prompt of a list by its index."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    for field in ("max_completion_tokens", "max_tokens"):
+        response = httpx.post(f"{server.url}/chat/completions", headers=headers, json={**chat, field: 0})
+        error = error_of(response)
+        assert response.status_code == 400 and error["param"] == field and error["message"].startswith(field), error
+    response = httpx.post(f"{server.url}/completions", headers=headers,
+                          json={"model": MODEL, "prompt": [[1], [2, 10 ** 9]], "max_tokens": 2})
+    error = error_of(response)
+    assert response.status_code == 400 and error["param"] == "prompt" and "prompt[1][1] = 1000000000" in \
+        error["message"], error
+
+
+def test_a_small_kv_pool_bounds_the_longest_sequence_served(serve_artifact):
+    """/v1/models reports the longest sequence the KV pool holds where it is less than the context, and a request
+    the pool cannot hold is refused naming max_tokens (the field a client sets; not the Python API's
+    max_new_tokens)."""
+    from fxllm.runtime.async_engine import AsyncEngine
+    from fxllm.serving.errors import APIError
+    from fxllm.serving.service import Choice, OpenAIService, ServingConfig
+
+    engine = AsyncEngine(fxllm.load(serve_artifact, kv_blocks=8))
+    try:
+        service = OpenAIService(engine, ServingConfig(model_names=(MODEL,)))
+        longest = asyncio.run(service.card(MODEL)).max_model_len
+        assert longest == 8 * engine.engine.block_size < engine.engine.max_context
+        with pytest.raises(APIError) as refused:
+            service.start([Choice(0, [1, 2], SamplingParams(max_tokens=longest))], "too-long")
+        assert refused.value.param == "max_tokens" and "KV blocks" in refused.value.message
+        assert "max_new_tokens" not in refused.value.message
+    finally:
+        asyncio.run(engine.shutdown(0))
 
 
 @pytest.mark.parametrize("top", [21, -1])

@@ -88,7 +88,7 @@ class EngineReplica:
             yield batch
 
     async def info(self) -> dict:
-        return {"created": self.service.created, "max_context": self.service.max_context}
+        return {"created": self.service.created, "max_model_len": self.service.max_sequence_tokens}
 
     async def status(self) -> str:
         return await self.service.health()

@@ -52,7 +52,7 @@ class RemoteModel:
     async def card(self, name: str) -> ModelCard:
         if self._info is None:
             self._info = await self.engine.info.remote()
-        return ModelCard(id=name, created=self._info["created"], max_model_len=self._info["max_context"])
+        return ModelCard(id=name, created=self._info["created"], max_model_len=self._info["max_model_len"])
 
     async def health(self) -> str:
         """One engine replica's status, or "unavailable" when none answers within HEALTH_TIMEOUT seconds."""
