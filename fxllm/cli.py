@@ -376,11 +376,19 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         return _fail("error: out of memory; try a smaller batch, KV pool (--kv-cache-memory) or model", 1, verbose)
     except Exception as exc:  # a bug, not bad input: still one line unless -v
+        if _is_host_out_of_memory(exc):
+            return _fail("error: out of memory (an allocation failed); try a smaller batch, KV pool "
+                         "(--kv-cache-memory) or model", 1, verbose)
         if _is_device_out_of_memory(exc):
             return _fail(f"error: out of GPU memory ({str(exc).splitlines()[0] if str(exc) else 'no detail'}); try a "
                          "smaller batch, KV pool (--kv-cache-memory) or model", 1, verbose)
         return _internal_error(exc, verbose)
     return code or 0
+
+
+def _is_host_out_of_memory(exc: Exception) -> bool:
+    """torch's CPU allocator failing (a RuntimeError, not MemoryError): a resource limit, like MemoryError."""
+    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
 
 
 def _is_device_out_of_memory(exc: Exception) -> bool:

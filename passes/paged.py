@@ -31,6 +31,9 @@ def paged(program: Program, *, block_size: int = 16) -> Program:
     """Block-table KV cache: a per-layer block pool, block_tables and context_lens inputs, new K/V outputs."""
     _check_options(block_size=block_size)
     graph, spec = program.graph, program.spec
+    if block_size > spec.max_positions:  # every sequence takes a block: a larger one only wastes the pool
+        raise PipelineError(f"paged: block_size {block_size} is larger than the model's context "
+                            f"({spec.max_positions} tokens); a block holds tokens of one sequence")
     mask_nodes = [n for n in graph.nodes if n.target is fxllm_ops.causal_mask.default]
     if not mask_nodes:
         raise PipelineError("paged: the graph has no fxllm.causal_mask (the kv-cache pass's shared mask) to replace")

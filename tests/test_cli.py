@@ -143,6 +143,21 @@ def test_console_script_exit_code_and_single_line(tmp_path):
     assert proc.stderr.strip() == f"fxllm: error: artifact '{tmp_path / 'none'}' does not exist"
 
 
+def test_host_out_of_memory_from_torch_is_a_user_error(capsys, monkeypatch):
+    """torch's CPU allocator raises a RuntimeError, not MemoryError, when an allocation fails: exit 1, one line."""
+    import torch
+
+    from fxllm import cli
+
+    def too_big(args):
+        torch.empty(2 ** 50, dtype=torch.uint8)  # 1 PiB: refused by the allocator
+
+    monkeypatch.setitem(cli.COMMANDS, "inspect", too_big)
+    code, _, err = run_cli(capsys, "inspect", "somewhere")
+    assert_one_line_error(code, err, "out of memory (an allocation failed)")
+    assert code == 1
+
+
 def test_device_out_of_memory_is_a_user_error(capsys, monkeypatch):
     """torch's CUDA out-of-memory error is a resource limit the user can act on (exit 1, one line), as MemoryError
     is; any other exception from a command stays an internal error (exit 2)."""

@@ -116,5 +116,8 @@ def test_bad_budgets_and_sizes(paged_artifact, make_tiny_model, tmp_path):
         engine.generate(PROMPTS[1], max_new_tokens=8)
     with pytest.raises(PipelineError, match="power of two"):
         fxllm.compile(make_tiny_model("llama"), tmp_path / "bad", passes="cleanup,kv-cache,paged:block_size=12")
+    with pytest.raises(PipelineError, match=r"block_size 1073741824 is larger than the model's context \(256"):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "huge", passes=f"cleanup,kv-cache,paged:block_size={2 ** 30}")
+    assert not (tmp_path / "huge").exists()
     with pytest.raises(PipelineError, match="requires kv-cache"):
         fxllm.compile(make_tiny_model("llama"), tmp_path / "bad2", passes="cleanup,paged,kv-cache")
