@@ -92,8 +92,6 @@ def test_bf16_tensorrt_form_passes_the_audit(make_tiny_model, tmp_path):
 def test_fp16_tensorrt_form_runs_on_onnx_runtime_within_its_drift(fp16_tensorrt, make_tiny_artifact):
     """The half-precision ONNX TensorRT would build from: float16 caches, float32 logits; on ONNX Runtime its
     logits stay within the drift the compile reported of the float32 artifact's."""
-    import onnxruntime as ort
-
     model = onnx.load(str(fp16_tensorrt / "model.onnx"), load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
     assert types["past_key_0"] == types["present_key_0"] == onnx.TensorProto.FLOAT16
@@ -101,20 +99,57 @@ def test_fp16_tensorrt_form_runs_on_onnx_runtime_within_its_drift(fp16_tensorrt,
     drift = dtype_record(fp16_tensorrt)
     assert 0 < drift["max_abs_logit"] < 0.01
 
-    ids = np.array([[1, 400, 500, 600, 700, 800]], dtype=np.int64)
-
-    def logits(artifact, dtype):
-        session = ort.InferenceSession(str(artifact / "model.onnx"), providers=["CPUExecutionProvider"])
-        feeds = {"input_ids": ids, "position_ids": np.arange(ids.shape[1])[None], "attention_mask": np.ones_like(ids),
-                 "logits_index": np.arange(ids.shape[1])}
-        for value in session.get_inputs():
-            if parse_cache_name(value.name):
-                feeds[value.name] = np.zeros((1, 2, 0, 16), dtype=dtype)
-        return session.run([LOGITS], feeds)[0]
-
-    half, full = logits(fp16_tensorrt, np.float16), logits(make_tiny_artifact("llama"), np.float32)
+    half, full = prompt_logits(fp16_tensorrt), prompt_logits(make_tiny_artifact("llama"))
     print(f"fp16 TensorRT form on ONNX Runtime vs float32: max |Δlogit| {np.abs(half - full).max():.2e}")
     assert np.abs(half - full).max() < 10 * drift["max_abs_logit"] + 1e-3
+
+
+def prompt_logits(artifact, ids=((1, 400, 500, 600, 700, 800),)) -> np.ndarray:
+    """Logits of every position of `ids` from a contiguous artifact's model.onnx on a raw ONNX Runtime session (an
+    empty cache of the type and shape its inputs declare)."""
+    import onnxruntime as ort
+
+    ids = np.array(ids, dtype=np.int64)
+    session = ort.InferenceSession(str(artifact / "model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": ids, "position_ids": np.arange(ids.shape[1])[None], "attention_mask": np.ones_like(ids),
+             "logits_index": np.arange(ids.shape[1])}
+    for value in session.get_inputs():
+        if parse_cache_name(value.name):
+            dtype = np.float16 if value.type == "tensor(float16)" else np.float32
+            feeds[value.name] = np.zeros((1, value.shape[1], 0, value.shape[3]), dtype=dtype)
+    return session.run([LOGITS], feeds)[0]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "cohere"])
+def test_half_tensorrt_form_of_a_norm_computed_in_float32(arch, tokenizer, tmp_path):
+    """Gemma normalizes x.float() and Cohere scales by weight.float(), each casting back: the fused
+    RMSNormalization took inputs of two types, which ONNX's checker refused (an internal error). Both inputs are
+    float32 now and the output is cast back: the audit passes, and on ONNX Runtime the float16 form's logits stay
+    within the reported drift of the float32 artifact's."""
+    import transformers
+
+    from tests.test_architectures import ARCHITECTURES, COMMON, build_model
+
+    if arch in ARCHITECTURES:
+        directory = build_model(arch, tmp_path / arch, tokenizer)
+    else:
+        config = transformers.CohereConfig(**COMMON, num_key_value_heads=2, intermediate_size=96, logit_scale=0.5)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / arch)
+        tokenizer.save_pretrained(tmp_path / arch)
+        directory = tmp_path / arch
+    report = fxllm.compile(directory, tmp_path / "half", target="tensorrt", dtype="float16")
+    assert any("passed the TensorRT audit" in note for note in report.notes)
+    model = onnx.load(str(tmp_path / "half" / "model.onnx"), load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
+    types.update({i.name: i.data_type for i in model.graph.initializer})
+    norms = [n for n in model.graph.node if n.op_type == "RMSNormalization"]
+    assert norms and all(types[n.input[0]] == types[n.input[1]] == onnx.TensorProto.FLOAT for n in norms)
+    fxllm.compile(directory, tmp_path / "full", target="tensorrt")
+    half, full = prompt_logits(tmp_path / "half"), prompt_logits(tmp_path / "full")
+    drift = dtype_record(tmp_path / "half")["max_abs_logit"]
+    print(f"{arch} fp16 TensorRT form vs float32: max |Δlogit| {np.abs(half - full).max():.2e}, reported {drift:.2e}")
+    assert np.abs(half - full).max() < 10 * drift + 1e-3
 
 
 def test_tensorrt_profile_covers_every_dynamic_input(fp16_tensorrt, bf16_paged):

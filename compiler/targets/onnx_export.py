@@ -73,6 +73,7 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
                                       [sig.name for sig in program.outputs])
     with timer("optimize"):
         optimize_graph(onnx_program.model)
+        align_norm_types(onnx_program.model)
     path = Path(path)
     with timer("finish"):
         model = onnx_program.model
@@ -119,6 +120,45 @@ def optimize_graph(model: ir.Model) -> None:
         step(model)
     onnxscript.rewriter.onnx_fusions.fuse(model)
     common.RemoveUnusedNodesPass()(model)
+
+
+def align_norm_types(model: ir.Model) -> int:
+    """A norm that a half-precision model computes in float32 (Gemma normalizes x.float(), Cohere scales by
+    weight.float(), each casting the result back) fuses into an RMSNormalization whose X and scale differ in type:
+    ONNX's shape inference then types Y as X where the schema says scale, so the checker refuses the model, and
+    TensorRT's parser wants one type. Cast both inputs to float32 (the precision the source computes in) and the
+    output back to the type its users read: exact. → the number of nodes aligned."""
+    graph, wide, aligned = model.graph, ir.DataType.FLOAT, 0
+    for node in list(graph):
+        if node.op_type != "RMSNormalization" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        x, scale, y = node.inputs[0], node.inputs[1], node.outputs[0]
+        if x is None or scale is None or None in (x.dtype, scale.dtype, y.dtype) or x.dtype == scale.dtype:
+            continue
+        for index, value in ((0, x), (1, scale)):
+            if value.dtype != wide:
+                node.replace_input_with(index, _cast(graph, value, wide, before=node))
+        read_as, uses = y.dtype, list(y.uses())
+        y.dtype = wide
+        if read_as != wide:
+            back = _cast(graph, y, read_as, after=node)
+            for user, index in uses:  # a norm's output is never a graph output (logits, K/V are)
+                user.replace_input_with(index, back)
+        aligned += 1
+    return aligned
+
+
+def _cast(graph: ir.Graph, value: ir.Value, to: ir.DataType, *, before: ir.Node | None = None,
+          after: ir.Node | None = None) -> ir.Value:
+    """`value` cast to `to` by a new node placed before or after the given one (stamped as lowering's)."""
+    cast = ir.node("Cast", inputs=[value], attributes={"to": to})
+    cast.outputs[0].dtype, cast.outputs[0].shape = to, value.shape
+    cast.metadata_props[ORIGIN_KEY] = "lowering"
+    if before is not None:
+        graph.insert_before(before, cast)
+    else:
+        graph.insert_after(after, cast)
+    return cast.outputs[0]
 
 
 class _Timer:
