@@ -4,9 +4,8 @@
 A token's text is the bytes it adds to the text (tokenizer.token_bytes), decoded as UTF-8; a token holding part of
 a multi-byte character is written `bytes:\\xNN...` as the OpenAI API does. A special token keeps its text in
 `tokens`, but adds nothing to a generated text (which is decoded without special tokens), so its `text_offset` is
-that of the next character. In the completions shape the chosen token
-is always among `top_logprobs` (so a position may list N + 1 tokens, as the reference says); tokens whose texts
-coincide share one key there.
+that of the next character. In the completions shape the chosen token is always among `top_logprobs` (so a position
+may list N + 1 tokens, as the reference says); tokens whose texts coincide share one key there.
 """
 
 from __future__ import annotations
