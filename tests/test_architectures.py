@@ -221,6 +221,24 @@ def test_paged_where_the_rotary_stays_on_the_heads(arch, tokenizer, tmp_path):
     assert single == expected and batched == expected
 
 
+def test_a_head_size_the_attention_kernel_refuses(tokenizer, tmp_path):
+    """ONNX Runtime's GroupQueryAttention refuses, when it runs, a head size that is not a multiple of 8: a model
+    with heads of 12 compiled and then failed on every call. Its attention keeps the standard form (contiguous and
+    paged) and matches transformers."""
+    import transformers
+
+    config = transformers.LlamaConfig(**{**COMMON, "hidden_size": 48}, **GQA, intermediate_size=72)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    expected = transformers_tokens(tmp_path / "model", tokenizer, PROMPTS[:3])
+    for name, passes in (("contiguous", None), ("paged", PAGED)):
+        fxllm.compile(tmp_path / "model", tmp_path / name, passes=passes)
+        single, batched = engine_tokens(tmp_path / name, PROMPTS[:3])
+        assert single == expected and batched == expected, name
+
+
 def test_a_product_with_a_transposed_weight_is_quantized(tokenizer, tmp_path):
     """Falcon's projections compute `x @ W.T` (no linear): cleanup spells them as linears, exactly, so int8 finds
     every projection (it refused: 'the calibration walk ended before reaching every linear layer')."""

@@ -65,6 +65,11 @@ def apply(model: ir.Model, context) -> int:
     return len(sites)
 
 
+def kernel_takes_head_dim(head_dim: int) -> bool:
+    """ONNX Runtime's CPU GroupQueryAttention refuses, at run time, a head size that is not a multiple of 8."""
+    return head_dim % 8 == 0
+
+
 def _match(attention: ir.Node, inputs: dict[str, ir.Value]) -> Site | None:
     """The Attention of one kv-cache layer: q, Concat(past_key_i, k), Concat(past_value_i, v), a bool mask; 4D."""
     if len(attention.inputs) != 4 or any(v is None for v in attention.inputs):
@@ -94,7 +99,7 @@ def _match(attention: ir.Node, inputs: dict[str, ir.Value]) -> Site | None:
     q_heads, head_dim, kv_heads = q_dims[1], q_dims[3], k_dims[1]
     if not all(isinstance(d, int) for d in (q_heads, head_dim, kv_heads)) or k_dims[3] != head_dim:
         return None
-    if q_heads % kv_heads:
+    if q_heads % kv_heads or not kernel_takes_head_dim(head_dim):  # else the standard Attention stays
         return None
     return Site(attention, q, concats, roles[0], q_heads, kv_heads, head_dim)
 

@@ -58,7 +58,7 @@ import onnx_ir as ir
 
 from fxllm.compiler.targets.ort.attention_rotary import checked_cone, table_subgraph
 from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, producer, static_dims, take_place
-from fxllm.compiler.targets.ort.group_query_attention import as_bsd, flat_consumer
+from fxllm.compiler.targets.ort.group_query_attention import as_bsd, flat_consumer, kernel_takes_head_dim
 from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
 from fxllm.runtime.contract import BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, PAGED, POSITION_IDS, parse_cache_name
 
@@ -101,7 +101,8 @@ def apply(model: ir.Model, context) -> int:
         return 0
     build = Builder(graph, f"lowering:ort/{NAME}")
     first = next(iter(graph))
-    gqa = not any(windows)  # the gathered form as GroupQueryAttention (no sliding window to express)
+    # the gathered form as GroupQueryAttention: no sliding window to express, a head size its kernel takes
+    gqa = not any(windows) and kernel_takes_head_dim(sites[0].head_dim)
     shared = _Shared(build, inputs, sites[0], block_size, first, gqa)
     biases = shared.biases(sorted({windows[site.layer] for site in sites}))
     tables = _rotary_tables(model, build, sites, inputs, context) if gqa else None
