@@ -159,7 +159,7 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
     def load(implementation: str):
         with _gguf_dequantization_bar(enabled=not quiet):
             return AutoModelForCausalLM.from_pretrained(source.directory, dtype="float32",
-                                                        attn_implementation=implementation,
+                                                        attn_implementation=implementation, output_loading_info=True,
                                                         **source.from_pretrained_kwargs())
 
     try:
@@ -172,5 +172,11 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
             model = load("eager")  # models without an sdpa path (Gemma 2, GPT-OSS); capture replaces it anyway
     except Exception as exc:
         raise ModelSourceError(f"cannot load model weights from '{source.directory}': {exc}") from exc
+    model, info = model
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers initializes them at random: a model that computes garbage without an error
+        where = source.directory / source.gguf_file if source.gguf_file else source.directory
+        raise ModelSourceError(f"'{where}' lacks {len(missing)} of the model's weights (e.g. "
+                               f"{missing[0]}); its config asks for more than the file holds")
     check_capabilities(model.config, type(model).__name__)
     return model.eval()

