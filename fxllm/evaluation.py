@@ -144,13 +144,21 @@ def evaluate(model: str | os.PathLike | Scorer, text_path: str | os.PathLike, ct
         predicted += len(targets)
         if ref is not None:
             ref_logp = _log_softmax(ref.logits(window)[:-1])
+            if ref_logp.shape != logp.shape:  # e.g. a vocabulary padded to a multiple of 64 on one side only
+                raise EvaluationError(f"the reference scores {ref_logp.shape[-1]} token ids and the model "
+                                      f"{logp.shape[-1]}; KL and agreement need the same vocabulary")
             ref_nll -= ref_logp[np.arange(len(targets)), targets].sum()
             kl += (np.exp(ref_logp) * (ref_logp - logp)).sum()
             agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
-    report = EvalReport(scorer.name, predicted, len(windows), ctx, math.exp(nll / predicted))
+    report = EvalReport(scorer.name, predicted, len(windows), ctx, _perplexity(nll / predicted))
     if ref is not None:
         report.reference = str(reference)
-        report.reference_perplexity = math.exp(ref_nll / predicted)
+        report.reference_perplexity = _perplexity(ref_nll / predicted)
         report.mean_kl = kl / predicted
         report.top1_agreement = agree / predicted
     return report
+
+
+def _perplexity(mean_nll: float) -> float:
+    """exp(mean NLL), inf past float range (a broken model's, rather than an OverflowError)."""
+    return math.exp(mean_nll) if mean_nll < 709.0 else math.inf

@@ -50,6 +50,30 @@ def test_bad_eval_arguments(make_tiny_artifact, tmp_path):
         evaluate(artifact, tmp_path / "empty.txt", ctx=128)
 
 
+def test_a_reference_of_another_vocabulary_and_an_overflowing_perplexity(make_tiny_model, tokenizer, tmp_path):
+    """A reference whose logits are wider (a vocabulary padded on one side) is refused in one line, and a model whose
+    mean NLL is past float range gets an infinite perplexity: both were a numpy/OverflowError crash."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_config
+
+    config = tiny_config("llama")
+    config.vocab_size += 64
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "padded")
+    tokenizer.save_pretrained(tmp_path / "padded")
+    with pytest.raises(FxllmError, match=r"the reference scores 49216 token ids and the model 49152"):
+        evaluate(str(make_tiny_model("llama")), TEXT, ctx=32, max_tokens=64, reference=str(tmp_path / "padded"))
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model("llama")).eval()
+    with torch.no_grad():
+        model.lm_head.weight *= 1e6
+    model.save_pretrained(tmp_path / "sharp")
+    tokenizer.save_pretrained(tmp_path / "sharp")
+    report = evaluate(str(tmp_path / "sharp"), TEXT, ctx=32, max_tokens=64)
+    assert report.perplexity == math.inf
+
+
 @pytest.mark.slow
 def test_smollm2_artifact_perplexity_equals_transformers(smollm2_artifact):
     report = evaluate(str(smollm2_artifact), TEXT, ctx=512, max_tokens=2048, reference="smollm2-135m")
