@@ -29,7 +29,9 @@ class CoreDriver:
         self.core = core
         self.accepting = True  # False once shutting down: submit refuses new requests
         self._step_lock = threading.Lock()  # held while the core runs (and its outputs are delivered)
-        self._lock = threading.Lock()  # guards _sinks and _pending; never held while waiting for the step lock
+        # guards _sinks and _pending; never held while waiting for the step lock. Reentrant: the garbage collector
+        # may close an abandoned stream (abort_soon) on a thread that holds it
+        self._lock = threading.RLock()
         self._sinks: dict[str, Sink] = {}  # unfinished requests (queued or in the core) → where outputs go
         self._pending: deque[Request] = deque()  # submitted, not yet in the core
         self._aborts: deque[str] = deque()  # aborted, not yet applied to the core (applied before the next step)
@@ -59,6 +61,17 @@ class CoreDriver:
         """Apply the queued requests and aborts now (waits for a running step to end)."""
         with self._step_lock:
             self._apply_pending()
+
+    def abort_soon(self, request_id: str, notify: bool = True) -> None:
+        """Abort now if no step is running, else before the next one; never waits. For a stream's cleanup, which
+        the garbage collector may run on any thread, the stepping one included (abort() would wait for its own
+        step lock there: a deadlock)."""
+        self.queue_abort(request_id, notify)
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._apply_pending()
+            finally:
+                self._step_lock.release()
 
     def queue_abort(self, request_id: str, notify: bool = True) -> None:
         """Abort without waiting: the abort is applied before the next step runs, whichever thread runs it (a
@@ -124,10 +137,8 @@ class CoreDriver:
 
     def _apply_pending(self) -> None:
         """Queued requests into the core, then queued aborts (which may name a request just queued)."""
-        with self._lock:
-            requests, aborts = list(self._pending), list(self._aborts)
-            self._pending.clear()
-            self._aborts.clear()
+        with self._lock:  # swapped, not copied and cleared: an abort queued meanwhile (by the collector) stays
+            requests, aborts, self._pending, self._aborts = self._pending, self._aborts, deque(), deque()
         for request in requests:
             self.core.enqueue(request)
         for request_id in aborts:

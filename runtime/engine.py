@@ -248,8 +248,8 @@ class Engine:
                 raise_failure([output])
                 yield output
         finally:
-            if not finished:
-                self.driver.abort(request_id, notify=False)
+            if not finished:  # may run in the garbage collector, on any thread: never waits
+                self.driver.abort_soon(request_id, notify=False)
 
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Logits [T,V] of every position of one sequence, in a single prefill (used by `fxllm eval`)."""

@@ -439,3 +439,34 @@ def test_threads_and_open_streams_share_a_contiguous_engine(make_tiny_artifact):
     assert texts == [expected[i].text for i in range(4)]
     assert {i: r.token_ids for i, r in results.items()} == {i: expected[i].token_ids for i in range(4, 12)}
     assert not engine.core.has_unfinished()
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_a_stream_the_garbage_collector_closes_mid_step_does_not_deadlock(paged_artifact, make_tiny_artifact,
+                                                                          contiguous):
+    """An abandoned stream caught in a reference cycle is closed by the cycle collector, which may run inside a step
+    on the stepping thread: its cleanup waited for the step lock that thread held (a deadlock, single-threaded). It
+    now aborts without waiting, and the engine goes on with every block free."""
+    import gc
+
+    engine = fxllm.load(make_tiny_artifact("llama") if contiguous else paged_artifact, threads=1)
+    expected = engine.generate("Paris is", max_new_tokens=100).token_ids
+    results = []
+
+    def run():
+        for _ in range(20):  # the collector's default thresholds land a collection inside a step within a few
+            stream = engine.stream("The quick brown fox", max_new_tokens=50)
+            next(stream)
+            cycle = [stream]
+            cycle.append(cycle)
+            del stream, cycle
+            results.append(engine.generate("Paris is", max_new_tokens=100).token_ids)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "the engine deadlocked"
+    gc.collect()
+    assert results == [expected] * 20
+    stats = engine.stats()
+    assert stats.running == stats.waiting == 0 and stats.kv_blocks_used in (0, None)
