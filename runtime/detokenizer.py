@@ -47,11 +47,12 @@ class IncrementalDetokenizer:
             elif self._byte_run_start is None:
                 self._byte_run_start = len(self.text)
         text = self._decoded()
-        for stop in self.stop:
-            found = text.find(stop, max(0, len(self.text) - len(stop)))  # a stop may straddle two tokens
-            if found != -1:  # searched in text already cut by an earlier stop: a later find cuts earlier
-                text = text[:found]
-                self.stopped, self.stop_string = True, stop
+        # a stop may straddle two tokens; the earliest in the text cuts it, whatever the order of the list
+        found = [(at, stop) for stop in self.stop if (at := text.find(stop, max(0, len(self.text) - len(stop)))) != -1]
+        if found:
+            at, stop = min(found, key=lambda item: item[0])
+            text = text[:at]
+            self.stopped, self.stop_string = True, stop
         self.text = text
         if self.stopped:
             return self.finish()

@@ -130,3 +130,21 @@ def test_default_threads_follow_omp_num_threads(make_tiny_artifact, monkeypatch)
         assert default_threads() == (os.cpu_count() or 1)
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert session_threads() == (os.cpu_count() or 1)
+
+
+def test_the_earliest_of_several_stop_strings_cuts_the_text(engine):
+    """The same text cut the same way however its tokens split: the stop string that starts first wins, not the
+    first one listed (which was searched first, the others then only in the text it left)."""
+    from fxllm.runtime.detokenizer import IncrementalDetokenizer
+
+    def cut(pieces, stop):
+        detokenizer = IncrementalDetokenizer(engine.tokenizer, stop)
+        for piece in pieces:
+            for token in engine.tokenizer.encode(piece, add_special_tokens=False):
+                detokenizer.add(token)
+        return detokenizer.text, detokenizer.stop_string
+
+    assert cut(["xeN", "ative"], ["at", "eNa"]) == cut(["xeNa", "tive"], ["at", "eNa"]) == ("x", "eNa")
+    full = engine.generate(PROMPTS[1], max_new_tokens=24).text
+    late, early = full[len(full) // 2: len(full) // 2 + 3], full[2:5]
+    assert engine.generate(PROMPTS[1], max_new_tokens=24, stop=[late, early]).text == full[:full.index(early)]
