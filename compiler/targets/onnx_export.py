@@ -149,9 +149,12 @@ def align_norm_types(model: ir.Model) -> int:
 
 
 def _cast(graph: ir.Graph, value: ir.Value, to: ir.DataType, *, before: ir.Node | None = None,
-          after: ir.Node | None = None) -> ir.Value:
-    """`value` cast to `to` by a new node placed before or after the given one (stamped as lowering's)."""
-    cast = ir.node("Cast", inputs=[value], attributes={"to": to})
+          after: ir.Node | None = None, name: str | None = None) -> ir.Value:
+    """`value` cast to `to` by a new node placed before or after the given one (stamped as lowering's; with `name`,
+    the node is `name`_cast and its output `name`_float)."""
+    cast = ir.node("Cast", inputs=[value], attributes={"to": to}, name=f"{name}_cast" if name else None)
+    if name:
+        cast.outputs[0].name = f"{name}_float"
     cast.outputs[0].dtype, cast.outputs[0].shape = to, value.shape
     cast.metadata_props[ORIGIN_KEY] = "lowering"
     if before is not None:
@@ -278,14 +281,9 @@ def store_half_scales(model: ir.Model) -> None:
         uses = list(value.uses())
         value.const_value = ir.Tensor(half, name=name)
         value.dtype = ir.DataType.FLOAT16
-        cast = ir.node("Cast", inputs=[value], attributes={"to": ir.DataType.FLOAT}, name=f"{name}_cast")
-        cast.outputs[0].name = f"{name}_float"
-        cast.outputs[0].dtype = ir.DataType.FLOAT
-        cast.outputs[0].shape = value.shape
-        cast.metadata_props[ORIGIN_KEY] = "lowering"
-        graph.insert_before(graph.node(0), cast)
+        as_float = _cast(graph, value, ir.DataType.FLOAT, before=graph.node(0), name=name)
         for user, index in uses:
-            user.replace_input_with(index, cast.outputs[0])
+            user.replace_input_with(index, as_float)
 
 
 def check_onnx(path: Path) -> onnx.ModelProto:
