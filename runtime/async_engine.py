@@ -89,10 +89,8 @@ class AsyncEngine:
         deadline = time.monotonic() + max(drain_timeout, 0.0)
         while self.driver.has_work() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        aborted = 0
-        for request_id in self.driver.unfinished_ids():
-            await self.abort(request_id)
-            aborted += 1
+        aborted = self.driver.queue_abort_all()
+        self._notify()
         while self.driver.has_work():  # deliver the abort outputs
             await asyncio.sleep(0.01)
         with self._wake:

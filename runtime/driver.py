@@ -81,9 +81,14 @@ class CoreDriver:
                 self._sinks.pop(request_id, None)
             self._aborts.append(request_id)
 
-    def unfinished_ids(self) -> list[str]:
+    def queue_abort_all(self) -> int:
+        """Abort every unfinished request without waiting, all in one batch that the next step applies before it
+        runs (aborting them one by one, each waiting for the step lock, lets the stepping thread run a queued
+        request between two aborts: at shutdown it could then run to its end). How many were aborted."""
         with self._lock:
-            return list(self._sinks)
+            ids = list(self._sinks)
+            self._aborts.extend(ids)
+        return len(ids)
 
     def fail_all(self, message: str) -> None:
         """End every unfinished request with finish_reason "error" (after a step raised: a bug, not a failing model

@@ -321,6 +321,37 @@ def test_async_engine_keeps_serving_after_a_failing_call(paged_artifact, alone):
     assert_pool_whole(engine)
 
 
+def test_shutdown_aborts_queued_requests_before_they_run(paged_artifact, alone):
+    """shutdown(drain_timeout=0) aborts every unfinished request in one batch before the next step: a request
+    queued behind a running one (max_batch 1) ends "abort" without a token. Aborted one at a time, each abort
+    waiting for the step lock, the stepping thread ran the queued requests in between (a queued request served
+    240 tokens to a server that was told to stop at once)."""
+    ids, _ = alone
+    engine = fxllm.load(paged_artifact, max_batch=1)
+
+    async def main():
+        server = AsyncEngine(engine)
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        running = server.generate(ids[0], params, "running")
+        first = await anext(running)
+        queued = [asyncio.create_task(collect(server.generate(ids[i], params, f"q{i}"))) for i in range(1, 5)]
+        while engine.core.stats().waiting < 4:
+            await asyncio.sleep(0.001)
+        assert await server.shutdown(drain_timeout=0) == 5
+        rest = [output async for output in running]
+        return first, rest, await asyncio.gather(*queued)
+
+    async def collect(stream) -> list:
+        return [output async for output in stream]
+
+    first, rest, queued = asyncio.run(main())
+    assert rest[-1].finish_reason == "abort" and len(first.new_token_ids) + sum(len(o.new_token_ids) for o in rest) < 200
+    for outputs in queued:
+        assert outputs[-1].finish_reason == "abort"
+        assert [t for output in outputs for t in output.new_token_ids] == []
+    assert_pool_whole(engine)
+
+
 def test_logprobs_and_stop_conditions(paged_artifact, alone):
     ids, expected = alone
     engine = fxllm.load(paged_artifact)
