@@ -35,6 +35,7 @@ class CoreDriver:
         self._sinks: dict[str, Sink] = {}  # unfinished requests (queued or in the core) → where outputs go
         self._pending: deque[Request] = deque()  # submitted, not yet in the core
         self._aborts: deque[str] = deque()  # aborted, not yet applied to the core (applied before the next step)
+        self._outbox: deque[RequestOutput] = deque()  # outputs of a step not yet handed to their sinks
 
     def submit(self, requests: list[tuple[str, str | list[int], SamplingParams]], sinks: list[Sink]) -> None:
         """Check every request (raising the first problem, GenerationError, before any is queued), then queue all.
@@ -95,6 +96,7 @@ class CoreDriver:
         call, which the core handles itself). Each sink gets its final output even if the core is broken."""
         with self._step_lock:
             self._apply_pending()
+            self._deliver()
             with self._lock:
                 sinks, self._sinks = self._sinks, {}
             for request_id, sink in sinks.items():
@@ -109,7 +111,7 @@ class CoreDriver:
                 logger.exception("the engine core cannot step after failing its requests")
 
     def has_work(self) -> bool:
-        return bool(self._pending) or bool(self._aborts) or self.core.has_unfinished()
+        return bool(self._pending or self._aborts or self._outbox) or self.core.has_unfinished()
 
     def has_request(self, request_id: str) -> bool:
         with self._lock:
@@ -134,7 +136,15 @@ class CoreDriver:
     def step_locked(self) -> None:
         """One core step and the delivery of its outputs; the caller holds the step lock."""
         self._apply_pending()
-        for output in self.core.step():
+        self._deliver()  # what an interrupted delivery left
+        self._outbox.extend(self.core.step())  # if the step raises, the core keeps what it made for the next one
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand the outbox's outputs to their sinks, in order; if one raises (an interrupt), the rest stay for the
+        next step (a caller waiting for them would otherwise wait for ever)."""
+        while self._outbox:
+            output = self._outbox.popleft()
             with self._lock:
                 sink = self._sinks.pop(output.request_id, None) if output.finished else self._sinks.get(output.request_id)
             if sink is not None:

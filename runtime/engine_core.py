@@ -6,7 +6,9 @@ samples, appends each request's tokens, checks its stop conditions and returns a
 that produced tokens or finished. With a speculator on a paged artifact the step first has the draft propose the
 next round's tokens of every running request that has none (runtime/speculator.py). Requests join (`add_request`)
 and leave (finish, `abort`) between steps. A model call that raises fails exactly the requests in that call
-(finish_reason "error", blocks freed); the core keeps serving the others.
+(finish_reason "error", blocks freed), and a request whose tokens cannot be applied (its tokenizer raises) fails
+alone; the core keeps serving the others. An interrupt (KeyboardInterrupt) inside a step fails only the requests it
+cut in two, then goes on up; the outputs the step had made come with the next step.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class EngineCore:
         self.encode = encode or (lambda text: list(tokenizer.encode(text)))
         self.speculator = speculator
         self._requests: dict[str, Request] = {}
-        self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step
+        self._ready: list[RequestOutput] = []  # outputs made, not yet returned by step()
         self._seq_ids = itertools.count()
         self._counters = EngineCounters()
 
@@ -108,14 +110,21 @@ class EngineCore:
         return bool(self._requests or self._ready)
 
     def step(self) -> list[RequestOutput]:
+        """One model call's outputs (and those of aborts and failures since the last step). None is ever lost: if
+        something raises out of the step (an interrupt such as KeyboardInterrupt, which Python raises wherever the
+        main thread happens to be), the outputs made so far are returned by the next step."""
+        self._step()
         outputs, self._ready = self._ready, []
+        return outputs
+
+    def _step(self) -> None:
         if self.speculator is not None:
-            outputs += self._draft()
+            self._draft()
         batch = self.scheduler.schedule()
         if batch is None:
             for request in list(self.scheduler.waiting):  # unreachable while add_request checks the pool size
-                outputs.append(self._fail(request, "no KV blocks free and nothing running: the pool is too small"))
-            return outputs
+                self._ready.append(self._fail(request, "no KV blocks free and nothing running: the pool is too small"))
+            return
         now = time.monotonic()
         for request in batch.requests:
             if request.metrics.first_scheduled_time is None:
@@ -123,31 +132,42 @@ class EngineCore:
         start = time.perf_counter()
         try:
             results = self._execute(batch)
-        except Exception as exc:  # a backend failure fails this call's requests, not the core
-            message = _one_line(exc)
+        except BaseException as exc:  # a backend failure fails this call's requests, not the core
+            # an interrupt too: what the call left in a contiguous cache or the draft is unknown; it is re-raised
+            message = _one_line(exc) if isinstance(exc, Exception) else f"interrupted ({type(exc).__name__})"
             logger.info("a %s call failed; its %d requests fail with it: %s", batch.kind, len(batch.requests), message,
                         exc_info=logger.isEnabledFor(logging.DEBUG))
             if self.speculator is None and not self.runner.io.paged:
                 self.runner.reset()
-            return outputs + [self._fail(request, message) for request in batch.requests]
+            self._ready += [self._fail(request, message) for request in batch.requests]
+            if not isinstance(exc, Exception):
+                raise
+            return
         self._account(batch, time.perf_counter() - start)
         self.scheduler.update(batch, [result.cached for result in results])
+        interrupt = None
         for request, start_position, result in zip(batch.requests, batch.positions, results):
-            output = self._apply(request, start_position, result, batch.kind)
+            try:
+                output = self._apply(request, start_position, result, batch.kind)
+            except Exception as exc:  # e.g. the tokenizer fails on this request's tokens: only this request fails
+                logger.info("request %r failed: %s", request.request_id, _one_line(exc))
+                output = self._fail(request, _one_line(exc))
+            except BaseException as exc:  # an interrupt: this request is half-updated and fails; the others' tokens
+                output = self._fail(request, f"interrupted ({type(exc).__name__})")  # are still applied; re-raised
+                interrupt = interrupt or exc
             if output is not None:
-                outputs.append(output)
-        return outputs
+                self._ready.append(output)
+        if interrupt is not None:
+            raise interrupt
 
-    def _draft(self) -> list[RequestOutput]:
+    def _draft(self) -> None:
         """The draft's proposals for every running request without any; a failing draft fails its request."""
-        failed = []
         for request in self.speculator.needs_drafts(self.scheduler.running):
             try:
                 self.speculator.draft(request)
             except Exception as exc:
                 logger.info("drafting for %r failed: %s", request.request_id, _one_line(exc))
-                failed.append(self._fail(request, _one_line(exc)))
-        return failed
+                self._ready.append(self._fail(request, _one_line(exc)))
 
     def _execute(self, batch: ScheduledBatch) -> list[SampledTokens]:
         if self.speculator is not None and self.speculator.handles(batch):
@@ -289,7 +309,7 @@ class EngineCore:
             self.scheduler.reset_peaks()
 
 
-def _one_line(exc: Exception) -> str:
+def _one_line(exc: BaseException) -> str:
     """An error message for a RequestOutput: an FxllmError's own message, else the exception type and first line."""
     lines = str(exc).strip().splitlines()
     first = lines[0] if lines else ""

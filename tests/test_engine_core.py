@@ -352,6 +352,99 @@ def test_shutdown_aborts_queued_requests_before_they_run(paged_artifact, alone):
     assert_pool_whole(engine)
 
 
+class ArmedTokenizer:
+    """Wraps a real tokenizer; once armed, its next decode raises the given exception (a failing tokenizer, or
+    Ctrl-C arriving while the step detokenizes)."""
+
+    def __init__(self, inner):
+        self.inner, self.armed = inner, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, *args, **kwargs):
+        exc, self.armed = self.armed, None
+        if exc is not None:
+            raise exc
+        return self.inner.decode(*args, **kwargs)
+
+
+def test_an_interrupt_inside_a_step_loses_no_other_requests_output(paged_artifact, alone):
+    """A KeyboardInterrupt raised while a step applies its tokens (Python raises it wherever the main thread is)
+    fails the request it cut in two and goes on up; the other request of that step keeps the token the step made
+    (returned by the next step) and ends with exactly the tokens it makes alone. Before, the step's other outputs
+    were lost: that request skipped a token, and one that finished in that step never ended."""
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact)
+    core = engine.core
+    core.tokenizer = tokenizer = ArmedTokenizer(core.tokenizer)
+    outputs: dict[str, list] = {"r0": [], "r1": []}
+    for i, request_id in enumerate(outputs):
+        core.add_request(request_id, ids[i], SamplingParams(max_tokens=NEW32[i]))
+
+    def take(step_outputs) -> None:
+        for output in step_outputs:
+            outputs[output.request_id].append(output)
+
+    while min(len(outs) for outs in outputs.values()) < 2:  # both decoding, in the same batch
+        take(core.step())
+    tokenizer.armed = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        core.step()
+    while core.has_unfinished():
+        take(core.step())
+    ends = {request_id: outs[-1] for request_id, outs in outputs.items()}
+    cut = [request_id for request_id, end in ends.items() if end.finish_reason == "error"]
+    assert len(cut) == 1 and ends[cut[0]].error == "interrupted (KeyboardInterrupt)"
+    kept = 1 - int(cut[0][1])
+    assert [t for output in outputs[f"r{kept}"] for t in output.new_token_ids] == expected[kept].token_ids
+    assert_pool_whole(engine)
+
+
+def test_a_tokenizer_failure_fails_only_its_request_across_threads(paged_artifact, alone):
+    """Two threads share the engine (a stream and a blocking generate, batched together); the tokenizer raises
+    once inside a step, on whichever thread drives it: that request's caller gets a GenerationError naming the
+    error, the other caller its exact tokens, and every KV block is free. Before, the raw error reached whichever
+    caller was stepping and the other request's output of that step was lost."""
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact)
+    engine.core.tokenizer = tokenizer = ArmedTokenizer(engine.core.tokenizer)
+    results: dict[int, object] = {}
+    both_running = threading.Barrier(2)
+
+    def streamed() -> None:
+        tokens = []
+        try:
+            for output in engine.stream_outputs(ids[0], SamplingParams(max_tokens=NEW32[0])):
+                tokens += output.new_token_ids
+                if len(tokens) == 2:
+                    both_running.wait(timeout=60)
+                    tokenizer.armed = ValueError("cannot decode")
+            results[0] = tokens
+        except Exception as exc:  # noqa: BLE001 - the test records what each caller got
+            results[0] = exc
+
+    def blocking() -> None:
+        both_running.wait(timeout=60)
+        try:
+            results[1] = engine.generate_ids([ids[1]], max_new_tokens=NEW32[1])[0].token_ids
+        except Exception as exc:  # noqa: BLE001
+            results[1] = exc
+
+    threads = [threading.Thread(target=streamed), threading.Thread(target=blocking)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    failed = [i for i, got in results.items() if isinstance(got, Exception)]
+    assert len(failed) == 1, results
+    assert isinstance(results[failed[0]], GenerationError) and "ValueError: cannot decode" in str(results[failed[0]])
+    kept = 1 - failed[0]
+    assert results[kept] == expected[kept].token_ids
+    assert_pool_whole(engine)
+
+
 def test_logprobs_and_stop_conditions(paged_artifact, alone):
     ids, expected = alone
     engine = fxllm.load(paged_artifact)
