@@ -39,7 +39,8 @@ def collector(result: GenerationResult, max_new_tokens: int, max_context: int, d
         result.text += output.text_delta
         if not output.finished:
             return
-        result.finish_reason = _finish_reason(output, len(result.prompt_token_ids) + max_new_tokens >= max_context)
+        # "context" only where the context cut the request short: max_new_tokens that end exactly at it are "length"
+        result.finish_reason = _finish_reason(output, len(result.prompt_token_ids) + max_new_tokens > max_context)
         result.metrics = output.metrics
         m = output.metrics
         result.timings = {"prefill_ms": round(m.prefill_ms, 3), "decode_ms_per_token": round(m.decode_ms_per_token, 3),
@@ -51,8 +52,8 @@ def collector(result: GenerationResult, max_new_tokens: int, max_context: int, d
 
 
 def _finish_reason(output: RequestOutput, reaches_context: bool) -> str:
-    """GenerationResult's vocabulary: "eos" (an EOS id), "stop" (a stop string), "context" (prompt + output reached
-    the model's context), "length"."""
+    """GenerationResult's vocabulary: "eos" (an EOS id), "stop" (a stop string), "context" (the model's context ended
+    the output before max_new_tokens), "length"."""
     if output.finish_reason == "stop":
         return "eos" if isinstance(output.stop_reason, int) else "stop"
     if output.finish_reason == "length" and reaches_context:

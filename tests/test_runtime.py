@@ -63,6 +63,8 @@ def test_generation_stops_at_the_context_end(engine):
     prompt = [5] * (engine.max_context - 3)
     result = engine.generate_ids([prompt], max_new_tokens=50)[0]
     assert len(result.token_ids) == 3 and result.finish_reason == "context"
+    exact = engine.generate_ids([prompt], max_new_tokens=3)[0]  # what was asked for, ending at the context: "length"
+    assert exact.token_ids == result.token_ids and exact.finish_reason == "length"
 
 
 def test_top_k_and_top_p_restrict_the_distribution():
