@@ -4,9 +4,11 @@ the core, one step at a time.
 Callers (Engine.generate / generate_ids / stream from any thread, AsyncEngine's loop thread) submit requests
 here, each with a sink that receives the request's outputs. Whoever waits for outputs drives: under the step lock
 it applies the queued requests, runs one core step and hands every output of that step to its request's sink —
-other callers' outputs included — before it lets go. So requests from different threads and streams are batched
-together, the core only ever runs on one thread at a time, and each request's outputs arrive in order. A caller
-that stops waiting (a closed stream) aborts its request, which frees its KV blocks at once.
+other callers' outputs included — before it lets go; a caller that finds another thread stepping waits for that
+thread's steps instead of the lock (which the stepping thread could win again and again), so a request returns as
+soon as it is done. So requests from different threads and streams are batched together, the core only ever runs
+on one thread at a time, and each request's outputs arrive in order. A caller that stops waiting (a closed stream)
+aborts its request, which frees its KV blocks at once.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from fxllm.errors import GenerationError
 from fxllm.runtime.engine_core import EngineCore
@@ -29,6 +32,10 @@ class CoreDriver:
         self.core = core
         self.accepting = True  # False once shutting down: submit refuses new requests
         self._step_lock = threading.Lock()  # held while the core runs (and its outputs are delivered)
+        # notified each time the step lock is let go: a caller whose outputs another thread's steps deliver waits
+        # on it rather than on the lock, which the stepping thread may win again and again (for its whole request).
+        # Reentrant for the same reason as _lock: the collector's abort_soon may notify inside a notify or a wait
+        self._released = threading.Condition(threading.RLock())
         # guards _sinks and _pending; never held while waiting for the step lock. Reentrant: the garbage collector
         # may close an abandoned stream (abort_soon) on a thread that holds it
         self._lock = threading.RLock()
@@ -36,6 +43,8 @@ class CoreDriver:
         self._pending: deque[Request] = deque()  # submitted, not yet in the core
         self._aborts: deque[str] = deque()  # aborted, not yet applied to the core (applied before the next step)
         self._outbox: deque[RequestOutput] = deque()  # outputs of a step not yet handed to their sinks
+        self._queued = 0  # requests and aborts queued so far (under _lock) ...
+        self._applied = 0  # ... and how many of them are applied to the core (under the step lock)
 
     def submit(self, requests: list[tuple[str, str | list[int], SamplingParams]], sinks: list[Sink]) -> None:
         """Check every request (raising the first problem, GenerationError, before any is queued), then queue all.
@@ -51,6 +60,7 @@ class CoreDriver:
             for request, sink in zip(made, sinks):
                 self._sinks[request.request_id] = sink
                 self._pending.append(request)
+            self._queued += len(made)
 
     def abort(self, request_id: str, notify: bool = True) -> None:
         """Abort now (blocks free when this returns; waits for a running step to end). With notify, the request's
@@ -59,20 +69,28 @@ class CoreDriver:
         self.flush()
 
     def flush(self) -> None:
-        """Apply the queued requests and aborts now (waits for a running step to end)."""
-        with self._step_lock:
-            self._apply_pending()
+        """Apply the requests and aborts queued so far: when this returns they are in the core (an abort's blocks
+        are free). Applies them itself when no step runs, else waits for the stepping thread, which applies them
+        before its step (waiting for the lock instead could take as long as that thread keeps stepping)."""
+        with self._lock:
+            target = self._queued
+        while self._applied < target:
+            with self._stepping(blocking=False) as held:
+                if held:
+                    self._apply_pending()
+                    continue
+            with self._released:
+                if self._applied < target and self._step_lock.locked():
+                    self._released.wait(timeout=1.0)  # (the timeout only bounds a missed wake-up)
 
     def abort_soon(self, request_id: str, notify: bool = True) -> None:
         """Abort now if no step is running, else before the next one; never waits. For a stream's cleanup, which
         the garbage collector may run on any thread, the stepping one included (abort() would wait for its own
         step lock there: a deadlock)."""
         self.queue_abort(request_id, notify)
-        if self._step_lock.acquire(blocking=False):
-            try:
+        with self._stepping(blocking=False) as held:
+            if held:
                 self._apply_pending()
-            finally:
-                self._step_lock.release()
 
     def queue_abort(self, request_id: str, notify: bool = True) -> None:
         """Abort without waiting: the abort is applied before the next step runs, whichever thread runs it (a
@@ -81,6 +99,7 @@ class CoreDriver:
             if not notify:
                 self._sinks.pop(request_id, None)
             self._aborts.append(request_id)
+            self._queued += 1
 
     def queue_abort_all(self) -> int:
         """Abort every unfinished request without waiting, all in one batch that the next step applies before it
@@ -89,12 +108,13 @@ class CoreDriver:
         with self._lock:
             ids = list(self._sinks)
             self._aborts.extend(ids)
+            self._queued += len(ids)
         return len(ids)
 
     def fail_all(self, message: str) -> None:
         """End every unfinished request with finish_reason "error" (after a step raised: a bug, not a failing model
         call, which the core handles itself). Each sink gets its final output even if the core is broken."""
-        with self._step_lock:
+        with self._stepping():
             self._apply_pending()
             self._deliver()
             with self._lock:
@@ -118,16 +138,23 @@ class CoreDriver:
             return request_id in self._sinks
 
     def step_until(self, done: Callable[[], bool]) -> None:
-        """Step the core until done() (checked under the step lock, so no step runs for outputs that already
-        arrived through another thread's step)."""
+        """Step the core until done(): while another thread steps (and delivers this caller's outputs too), wait
+        for it rather than for the lock, so that a short request returns as soon as it is done however long the
+        stepping thread's own request runs. done() is checked under the step lock before a step, so no step runs
+        for outputs that already arrived."""
         while not done():
-            with self._step_lock:
-                if not done():
-                    self.step_locked()
+            with self._stepping(blocking=False) as held:
+                if held:
+                    if not done():
+                        self.step_locked()
+                    continue
+            with self._released:
+                if not done() and self._step_lock.locked():
+                    self._released.wait(timeout=1.0)  # (the timeout only bounds a missed wake-up)
 
     def step(self) -> bool:
         """One step if there is work; whether one ran."""
-        with self._step_lock:
+        with self._stepping():
             if not self.has_work():
                 return False
             self.step_locked()
@@ -154,12 +181,27 @@ class CoreDriver:
         """Queued requests into the core, then queued aborts (which may name a request just queued)."""
         with self._lock:  # swapped, not copied and cleared: an abort queued meanwhile (by the collector) stays
             requests, aborts, self._pending, self._aborts = self._pending, self._aborts, deque(), deque()
+            upto = self._queued
         for request in requests:
             self.core.enqueue(request)
         for request_id in aborts:
             self.core.abort(request_id)
+        self._applied = upto
 
     def run_exclusive(self, function: Callable[[], object]) -> object:
         """Run function() while no step runs (e.g. score() borrowing pool blocks)."""
-        with self._step_lock:
+        with self._stepping():
             return function()
+
+    @contextmanager
+    def _stepping(self, blocking: bool = True) -> Iterator[bool]:
+        """Hold the step lock (without blocking: if it is free; yields whether it is held), and once it is let go
+        wake the callers waiting in step_until."""
+        held = self._step_lock.acquire(blocking)
+        try:
+            yield held
+        finally:
+            if held:
+                self._step_lock.release()
+                with self._released:
+                    self._released.notify_all()

@@ -445,6 +445,43 @@ def test_a_tokenizer_failure_fails_only_its_request_across_threads(paged_artifac
     assert_pool_whole(engine)
 
 
+def test_a_request_another_thread_steps_for_returns_without_the_step_lock(paged_artifact, alone):
+    """A caller whose request another thread's steps deliver returns once it is done, without ever winning the step
+    lock: here the stepping thread never lets go of it. Before, that caller waited for the lock, which a thread
+    stepping a long request wins again and again (on SmolLM2 a 5-token request batched with a 300-token one
+    returned after 6.6 s instead of 1.2 s, when the long one ended)."""
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact)
+    driver, result = engine.driver, {}
+    caller = threading.Thread(target=lambda: result.update(out=engine.generate_ids([ids[1]], max_new_tokens=NEW32[1])))
+    with driver._step_lock:  # a thread that steps and never lets go
+        caller.start()
+        while not driver.has_work():  # the caller's request is queued
+            time.sleep(0.001)
+        while driver.has_work():
+            driver.step_locked()
+        caller.join(timeout=30)
+        returned = not caller.is_alive()
+    caller.join(timeout=30)
+    assert returned, "the caller waited for the step lock"
+    assert result["out"][0].token_ids == expected[1].token_ids
+    # an abort from another thread (a server's disconnect) returns once the stepping thread has applied it
+    outputs = []
+    driver.submit([("long", ids[0], SamplingParams(max_tokens=100, ignore_eos=True))], [outputs.append])
+    with driver._step_lock:
+        driver.step_locked()
+        aborter = threading.Thread(target=driver.abort, args=("long",))
+        aborter.start()
+        while driver.core.get_request("long") is not None:
+            driver.step_locked()
+        aborter.join(timeout=30)
+        returned = not aborter.is_alive()
+    aborter.join(timeout=30)
+    assert returned, "abort waited for the step lock"
+    assert outputs[-1].finish_reason == "abort" and len(outputs) < 100
+    assert_pool_whole(engine)
+
+
 def test_logprobs_and_stop_conditions(paged_artifact, alone):
     ids, expected = alone
     engine = fxllm.load(paged_artifact)
