@@ -51,6 +51,9 @@ def parse_pipeline(text: str | list[str] | tuple[str, ...] | None) -> list[tuple
 
 
 QUANT_OPTIONS = ("group_size", "calib", "lm_head", "embedding", "zero_point")  # quantize options a caller may set
+# how `fxllm compile` spells each (zero_point has no flag: quant_options of fxllm.compile)
+QUANT_FLAGS = {"method": "--quant", "group_size": "--group-size", "calib": "--calib", "lm_head": "--quant-lm-head",
+               "embedding": "--quant-embedding", "zero_point": "zero_point"}
 
 
 def place_quantization(passes: str | list[str] | None, pass_options: dict[str, dict[str, Any]] | None,
@@ -59,7 +62,10 @@ def place_quantization(passes: str | list[str] | None, pass_options: dict[str, d
     """Where quantization goes in a pipeline (fxllm.compile(quant=...) and `fxllm compile --quant` alike): the
     `quantize` pass with method `quant` and `quant_options`, placed before kv-cache when the default pipeline is
     used. A GGUF source keeps its own quantized blocks (method `gguf`, no re-rounding) unless `requantize`, which
-    loads it as float like any other model (then `quant` re-quantizes it). → (passes, pass options)."""
+    loads it as float like any other model (then `quant` re-quantizes it). Options for that quantize pass
+    (`pass_options["quantize"]`, `--pass-option quantize.KEY=VALUE`) would otherwise be overridden or ignored
+    there, so they are refused: on a GGUF kept as blocks (only method=gguf is accepted), and where `quant` or
+    `quant_options` set the same key. → (passes, pass options)."""
     options = {name: dict(values) for name, values in (pass_options or {}).items()}
     quant_options = {key: value for key, value in (quant_options or {}).items() if value is not None}
     unknown = set(quant_options) - set(QUANT_OPTIONS)
@@ -83,12 +89,33 @@ def place_quantization(passes: str | list[str] | None, pass_options: dict[str, d
         raise PipelineError(f"this GGUF's own quantized blocks are kept exactly; add --requantize to load it as float "
                             f"and quantize it again with {quant}")
     if gguf and not requantize and passes is None:
+        _check_kept_gguf_options(options.get("quantize", {}))
         quant = "gguf"
     if quant:
+        _check_no_double_options(options.get("quantize", {}), {**quant_options, "method": quant})
         options.setdefault("quantize", {}).update({**quant_options, "method": quant})
         if passes is None:
             passes = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + ",quantize,kv-cache"
     return passes, options
+
+
+def _check_kept_gguf_options(options: dict[str, Any]) -> None:
+    """A GGUF whose blocks are kept runs quantize with method gguf, which takes no other option: refuse any."""
+    for key, value in options.items():
+        if key != "method" or value != "gguf":
+            raise PipelineError(f"--pass-option quantize.{key}={value} does not apply: this GGUF's own quantized "
+                                "blocks are kept exactly (method gguf); add --requantize --quant METHOD to load it as "
+                                "float and quantize it again")
+
+
+def _check_no_double_options(pass_options: dict[str, Any], placed: dict[str, Any]) -> None:
+    """--quant and its flags set quantize's options; the same option in --pass-option as well would be silently
+    overridden, so it is refused."""
+    for key in sorted(pass_options.keys() & placed.keys()):
+        if key == "method" and placed[key] == "gguf":
+            continue  # the kept GGUF's own method, given again: nothing is overridden
+        raise PipelineError(f"quantize option '{key}' is given twice ({QUANT_FLAGS[key]} {placed[key]} and "
+                            f"--pass-option quantize.{key}={pass_options[key]}); give it once")
 
 
 def place_dtype(passes: str | list[str] | None, dtype: str) -> str | list[str] | None:

@@ -21,7 +21,7 @@ import torch
 from fxllm.compiler.quant.awq import clip_and_quantize, search_scales
 from fxllm.compiler.quant.calibration import (calibration_tokens, check_calibration_source, read_calibration_text,
                                               walk_linears)
-from fxllm.compiler.quant.experts import quantize_experts
+from fxllm.compiler.quant.experts import keep_gguf_experts, quantize_experts
 from fxllm.compiler.quant.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_registry import register_pass
 from fxllm.compiler.patterns import logits_projection
@@ -30,7 +30,8 @@ from fxllm.progress import counter, progress
 from fxllm.compiler.projections import constant, drop_unused_attributes
 from fxllm.compiler.quant.numerics import HALF_SUFFIX, QuantFormat, dequantize_codes, relative_error, round_to_nearest
 from fxllm.compiler.quant.folding import input_scale_folder
-from fxllm.compiler.quant.gguf_exact import EXACT_TYPES, FLOAT_TYPES, GGUFWeights
+from fxllm.compiler.quant.gguf_exact import (EXACT_TYPES, FLOAT_TYPES, GGUF_BLOCK, Fallback, GGUFWeights,
+                                             shared_form)
 from fxllm.passes.fuse_projections import FUSED_FROM
 from fxllm.errors import FxllmError, PipelineError
 
@@ -40,6 +41,7 @@ METHODS = ("int8", "int4-rtn", "int4-gptq", "int4-awq", "gguf")
 CALIBRATED = ("int4-gptq", "int4-awq")
 REPORT_SAMPLES = 4  # calibration samples the data-free methods use for their per-layer output errors
 SIDE_MODES = ("float", "int8", "int4")  # lm_head and embedding
+EMBEDDING_TYPES = ("Q8_0", "Q4_0")  # GGUF types an embedding keeps as blocks: dequant_embedding has no offsets
 # (group_size, zero_point) when not given: the best measured configuration of at most 5.0 bits per weight for the
 # calibrated methods (asymmetric, group 32, float16 scales: SmolLM2 AWQ +8.9% perplexity, GPTQ +13.2%, against +17.1%
 # for GPTQ at asymmetric group 64 with float32 scales; see docs/quantization.md); int4-rtn keeps symmetric group 128.
@@ -315,69 +317,138 @@ def _quantize_embedding(program: Program, fmt: QuantFormat) -> None:
 
 
 def _keep_gguf_blocks(program: Program) -> Program:
-    """method gguf: every linear (and the embedding) whose GGUF tensors are of an exact type takes those blocks as
-    stored (compiler/quant/gguf_exact.py); a tied embedding reads the lm_head's blocks (one stored copy). Layers of
-    other quantized types keep transformers' float weights, and the compile says which (a printed fallback)."""
+    """method gguf: every linear, MoE expert weight and embedding whose GGUF tensors are of an exact type takes
+    those blocks as stored (compiler/quant/gguf_exact.py); a tied embedding reads the lm_head's blocks (one stored
+    copy). Weights of other quantized types keep transformers' float weights, and the compile says which and why (a
+    printed warning per reason, FALLBACK_REASONS)."""
     if program.source_file is None:
         raise PipelineError("quantize: method gguf keeps a GGUF file's own blocks, and this model was not loaded "
                             "from a GGUF file")
-    spec = program.spec
-    weights = GGUFWeights(program.source_file, spec.num_layers)
-    kv_heads = spec.source_num_kv_heads or spec.num_kv_heads
+    weights = GGUFWeights(program.source_file, program.spec.num_layers)
     start = time.perf_counter()
-    head = _logits_linear(program)
+    kept: dict[str, tuple[str, str]] = {}  # GGUF tensor name → (codes, scales) buffers of the layer holding it
+    layers, fallbacks = _keep_gguf_linears(program, weights, kept)
+    expert_rows, expert_fallbacks = keep_gguf_experts(program, weights)
+    layers += expert_rows
+    fallbacks += expert_fallbacks
+    for node in [n for n in program.graph.nodes if n.target is aten.embedding.default]:
+        fallback = _keep_gguf_embedding(program, node, weights, kept)
+        fallbacks += [fallback] if fallback is not None else []
+    drop_unused_attributes(program)
+    note = f"quantize: gguf, {len(layers)} layers keep {weights.path.name}'s blocks"
+    warnings = _fallback_warnings(fallbacks, weights)
+    for warning in warnings:
+        print(f"fxllm: warning: {warning}", file=sys.stderr)
+        note += f"; {warning}"
+    program.spec.notes.append(note)
+    program.diagnostics = {"layers": layers, "fallbacks": {f.weight: f.type_name for f in fallbacks},
+                           "warnings": warnings, "seconds": round(time.perf_counter() - start, 2)}
+    return program
+
+
+def _keep_gguf_linears(program: Program, weights: GGUFWeights, kept: dict[str, tuple[str, str]]
+                       ) -> tuple[list[dict], list[Fallback]]:
+    """Every linear with a constant weight whose GGUF parts share a block form (`shared_form`) → dequant_linear of
+    those blocks; `kept` gets each unfused layer's buffers by GGUF tensor name. → (report rows, fallbacks)."""
+    spec = program.spec
+    kv_heads = spec.source_num_kv_heads or spec.num_kv_heads
+    layers, fallbacks = [], []
     linears = [n for n in program.graph.nodes if n.target is aten.linear.default
                and constant(program, n.args[1]) is not None]
-    kept: dict[str, tuple[str, str]] = {}  # GGUF tensor name → (codes, scales) buffers of the layer holding it
-    fallbacks: dict[str, str] = {}  # HF weight name → its GGUF type, for layers left float
-    layers = []
     for index, node in enumerate(linears):
         names = node.meta.get(FUSED_FROM, [str(node.args[1].target)])
-        types = {weights.type_of(name) for name in names}
-        if not types <= set(EXACT_TYPES) or len({t == "Q8_0" for t in types}) > 1 or \
-                len({t == "Q4_1" for t in types}) > 1:
-            fallbacks.update({name: str(weights.type_of(name)) for name in names
-                              if weights.type_of(name) not in FLOAT_TYPES})
+        types = [weights.type_of(name) for name in names]
+        form = shared_form(types)
+        if form is None:
+            fallbacks += _linear_fallbacks(node, names, types, weights)
             continue
         reference = constant(program, node.args[1]).detach()
         parts, row = [], 0
         for name in names:
             rows = int(weights.tensors[weights.gguf_name(name)].shape[1])
-            parts.append(weights.blocks(name, reference[row:row + rows], spec.num_heads, kv_heads))
+            part = weights.blocks(name, reference[row:row + rows], spec.num_heads, kv_heads)
+            parts.append(part.with_offsets() if form == "Q4_1" else part)
             row += rows
         offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts], 1)
+        kinds = "+".join(dict.fromkeys(p.type_name for p in parts))
         result = QuantizedLinear(node, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts], 1),
-                                 offsets, parts[0].fmt, note=f"gguf {parts[0].type_name} kept", half_scales=True)
+                                 offsets, parts[0].fmt, note=f"gguf {kinds} kept", half_scales=True)
         result.weight_error = relative_error(reference, torch.cat([p.dequantize() for p in parts]))
         layers.append(_layer_report(result))
         buffers = _rewrite(program, result, index)
         if len(names) == 1:
             kept[weights.gguf_name(names[0])] = buffers
-    for node in [n for n in program.graph.nodes if n.target is aten.embedding.default]:
-        weight_name = str(node.args[0].target)
-        name, kind = weights.gguf_name(weight_name), weights.type_of(weight_name)
-        if name in kept and kind == "Q8_0":  # tied: the lm_head's own blocks
-            codes, scales = kept[name]
-            with program.graph.inserting_before(node):
-                replacement = program.graph.call_function(torch.ops.fxllm.dequant_embedding.default, (
-                    program.graph.get_attr(codes), program.graph.get_attr(scales), node.args[1], 32, True))
-            node.replace_all_uses_with(replacement)
-            program.graph.erase_node(node)
-        elif kind in ("Q8_0", "Q4_0"):  # an untied embedding of its own
-            _keep_embedding_blocks(program, node, weights)
-        elif kind not in FLOAT_TYPES:
-            fallbacks[weight_name] = str(kind)
-    drop_unused_attributes(program)
-    note = f"quantize: gguf, {len(layers)} layers keep {weights.path.name}'s blocks"
-    if fallbacks:
-        types = sorted(set(fallbacks.values()))
-        warning = (f"{len(fallbacks)} GGUF tensors of type {', '.join(types)} have no exact form here and were "
-                   f"dequantized to float by transformers instead (e.g. {next(iter(fallbacks))})")
-        print(f"fxllm: warning: {warning}", file=sys.stderr)
-        note += f"; {warning}"
-    program.spec.notes.append(note)
-    program.diagnostics = {"layers": layers, "fallbacks": fallbacks, "seconds": round(time.perf_counter() - start, 2)}
-    return program
+    return layers, fallbacks
+
+
+def _linear_fallbacks(node: Node, names: list[str], types: list[str | None], weights: GGUFWeights
+                      ) -> list[Fallback]:
+    """Why each quantized part of a linear left float stays float: its type has no exact form, or (a fused
+    projection's part) its siblings' types share no block form with it."""
+    fallbacks = []
+    for name, kind in zip(names, types):
+        if kind in FLOAT_TYPES:
+            continue
+        reason = "fused" if kind in EXACT_TYPES else "no-form"
+        label = _weight_label(node) + f" ({'/'.join(map(str, types))})" if reason == "fused" else name
+        tensor = weights.gguf_name(name)
+        fallbacks.append(Fallback(name, [tensor] if tensor else [], str(kind), reason, label=label))
+    return fallbacks
+
+
+def _keep_gguf_embedding(program: Program, node: Node, weights: GGUFWeights, kept: dict[str, tuple[str, str]]
+                         ) -> Fallback | None:
+    """A Q8_0 embedding tied to a kept lm_head reads its blocks; an untied (or Q4_0) one keeps its own. → the
+    Fallback when it stays float (other quantized types), else None."""
+    weight_name = str(node.args[0].target)
+    name, kind = weights.gguf_name(weight_name), weights.type_of(weight_name)
+    if name in kept and kind == "Q8_0":  # tied: the lm_head's own blocks
+        codes, scales = kept[name]
+        with program.graph.inserting_before(node):
+            replacement = program.graph.call_function(torch.ops.fxllm.dequant_embedding.default, (
+                program.graph.get_attr(codes), program.graph.get_attr(scales), node.args[1], GGUF_BLOCK, True))
+        node.replace_all_uses_with(replacement)
+        program.graph.erase_node(node)
+    elif kind in EMBEDDING_TYPES:  # an untied embedding of its own
+        _keep_embedding_blocks(program, node, weights)
+    elif kind not in FLOAT_TYPES:
+        return Fallback(weight_name, [name] if name else [], str(kind),
+                        "embedding" if kind in EXACT_TYPES else "no-form", label=name or weight_name)
+    return None
+
+
+# Why GGUF tensors stayed float (Fallback.reason) → the middle of the warning "N GGUF tensors of type T ...".
+FALLBACK_REASONS = {
+    "no-form": "have no exact form here (fxllm keeps Q4_0, Q4_1 and Q8_0 blocks)",
+    "fused": "are parts of fused projections whose parts share no block form (one fused weight is one form: "
+             "Q4_0 and Q4_1 mix, Q8_0 and 4-bit types do not; a --passes list without fuse-projections, with "
+             "quantize:method=gguf, keeps each part's own blocks)",
+    "embedding": "are token embeddings, whose blocks fxllm keeps for Q8_0 and Q4_0 only (its embedding lookup has "
+                 "no per-block offsets; Q4_1 linears, a tied lm_head included, keep their blocks)",
+    "experts-fused": "are MoE gate and up experts of block forms that do not mix (transformers fuses the two into "
+                     "one weight, which is one form: Q4_0 and Q4_1 mix, Q8_0 and 4-bit types do not)",
+    "experts-layout": "are MoE expert weights in a layout fxllm does not map to GGUF blocks",
+}
+
+
+def _fallback_warnings(fallbacks: list[Fallback], weights: GGUFWeights) -> list[str]:
+    """One line per reason: how many tensors of which types, their bytes in the file and as float32, an example."""
+    lines = []
+    for reason, why in FALLBACK_REASONS.items():
+        group = [f for f in fallbacks if f.reason == reason]
+        if not group:
+            continue
+        tensors = list(dict.fromkeys(t for f in group for t in f.tensors or [f.weight]))
+        stored, as_float = weights.sizes(tensors)
+        types = sorted({t for f in group for t in f.type_name.split("+")})
+        lines.append(f"{len(tensors)} GGUF tensors of type {', '.join(types)} {why}; they were dequantized to float "
+                     f"by transformers instead: exact values, stored as float32 ({_size(as_float)} instead of the "
+                     f"file's {_size(stored)}; e.g. {group[0].label or group[0].weight})")
+    return lines
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _keep_embedding_blocks(program: Program, node: Node, weights: GGUFWeights) -> None:

@@ -170,8 +170,137 @@ def test_cli_flags_are_one_line_errors(q4_1_file, make_tiny_model, tmp_path, cap
                           ([str(q4_1_file), "--group-size", "64"], "needs a method"),
                           ([tiny, "--quant", ""], "--quant needs a method"),  # it compiled unquantized
                           ([tiny, "--quant", "int8", "--group-size", "32"], "--group-size applies to the int4 methods"),
-                          ([tiny, "--spec-k", "3"], "--spec-k sets how many tokens a draft proposes; it needs --draft")]:
+                          ([tiny, "--spec-k", "3"], "--spec-k sets how many tokens a draft proposes; it needs --draft"),
+                          ([str(q4_1_file), "--pass-option", "quantize.lm_head=int8"], "does not apply"),
+                          ([tiny, "--quant", "int8", "--pass-option", "quantize.method=int4-rtn"], "given twice")]:
         assert main(["compile", *argv, "-o", str(tmp_path / "out")]) == 1
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key, value", [("method", "int8"), ("lm_head", "int8"), ("embedding", "int4"),
+                                        ("group_size", "64")])
+def test_quantize_options_on_a_kept_gguf_are_refused(key, value, q4_1_file, tmp_path):
+    """The default pipeline keeps a GGUF's blocks with method gguf, which would override or ignore the caller's
+    quantize options: refused before any work (the library's policy, so fxllm.compile and the CLI alike), nothing
+    written; method=gguf itself, and any option with --requantize, are accepted."""
+    with pytest.raises(PipelineError, match=f"quantize.{key}={value} does not apply.*add --requantize --quant"):
+        fxllm.compile(str(q4_1_file), tmp_path / "out", pass_options={"quantize": {key: value}})
+    assert not (tmp_path / "out").exists()
+    passes, options = place_quantization(None, {"quantize": {"method": "gguf"}}, gguf=True)
+    assert "quantize,kv-cache" in passes and options == {"quantize": {"method": "gguf"}}
+    if key != "method":
+        _, options = place_quantization(None, {"quantize": {key: value}}, "int8" if key != "group_size" else
+                                        "int4-rtn", gguf=True, requantize=True)
+        assert options["quantize"][key] == value
+
+
+def test_stacked_expert_blocks_dequantize_to_the_experts_weights():
+    """GGUF expert tensors (each [E·out, in], gate then up) stacked as dequantize_experts stores them: a [Σout, E·in]
+    weight whose expert e occupies inputs e·in..(e+1)·in; Q4_0 and Q4_1 parts share the Q4_1 form exactly."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from fxllm.compiler.quant.gguf_exact import decode_blocks, shared_form, stack_experts
+
+    experts, width, hidden = 3, 8, 64
+    generator = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(experts, width, hidden, generator=generator) for _ in range(2))
+    parts, values = [], []
+    for weight, kind in ((gate, "Q4_0"), (up, "Q4_1")):
+        raw = quantize(weight.reshape(-1, hidden).numpy(), GGMLQuantizationType[kind])
+        parts.append(decode_blocks(kind, np.asarray(raw), experts * width, hidden))
+        values.append(parts[-1].dequantize().reshape(experts, width, hidden))
+    stacked = stack_experts(parts, experts)
+    assert stacked.type_name == "Q4_1" and stacked.codes.shape == (2 * width, experts * hidden)
+    expected = torch.cat(values, 1)  # [E, 2·width, hidden]: transformers' gate_up_proj
+    assert torch.equal(stacked.dequantize().reshape(2 * width, experts, hidden).transpose(0, 1), expected)
+    assert [shared_form(t) for t in (["Q8_0"], ["Q4_0", "Q4_1"], ["Q8_0", "Q4_0"], ["Q4_0", "Q5_0"])] == [
+        "Q8_0", "Q4_1", None, None]
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory) -> Path:
+    """A 2-layer Qwen3-MoE GGUF (4 experts): Q4_0 weights, layer 0's up experts Q4_1 (fused by transformers with
+    its Q4_0 gate experts), layer 1's down experts Q5_0 (no exact form)."""
+    directory = tmp_path_factory.mktemp("moe")
+    return write_gguf(tiny_hf_model("qwen3moe", directory / "hf"), directory / "moe.gguf", "Q4_0",
+                      tensor_types={"blk.0.ffn_up_exps.weight": "Q4_1", "blk.1.ffn_down_exps.weight": "Q5_0"})
+
+
+def test_gguf_moe_experts_keep_their_blocks(moe_gguf, tmp_path, capfd):
+    """Stacked expert tensors are kept as blocks like linears (one dequantize_experts per weight), not expanded to
+    float32 silently; the one of a type with no exact form stays float with the warning other tensors get."""
+    report = fxllm.compile(str(moe_gguf), tmp_path / "artifact")
+    err = capfd.readouterr().err
+    assert "1 GGUF tensors of type Q5_0 have no exact form" in err and "moe_experts_1 down_proj" in err
+    assert "exact values, stored as float32" in err
+    quantize = next(r for r in report.records if r.name == "quantize")
+    assert list(quantize.diagnostics["fallbacks"].values()) == ["Q5_0"]
+    notes = {row["weight"]: row["note"] for row in quantize.diagnostics["layers"] if "experts" in row["weight"]}
+    assert notes == {"moe_experts.up (4 experts)": "gguf Q4_1 kept", "moe_experts.down (4 experts)": "gguf Q4_0 kept",
+                     "moe_experts_1.up (4 experts)": "gguf Q4_0 kept"}
+    assert all(row["weight_error"] < 1e-6 for row in quantize.diagnostics["layers"])
+    source = resolve_source(str(moe_gguf))
+    model = load_model(source)
+    engine = fxllm.load(tmp_path / "artifact", int8_activations=False)
+    assert greedy(engine, PROMPTS) == transformers_greedy(model, load_tokenizer(source), PROMPTS)
+    # no float32 copy of an expert weight but the Q5_0 one; the kept ones are stored as INT4 blocks
+    import onnx
+
+    graph = onnx.load(str(tmp_path / "artifact" / "model.onnx"), load_external_data=False).graph
+    floats = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) > 1
+              and torch.Size(i.dims).numel() >= 64 * 768]
+    assert floats == ["gguf_experts_1_down_float"]
+    codes = {i.name: i.data_type for i in graph.initializer if i.name.startswith("gguf_experts")
+             and "codes" in i.name}
+    assert len(codes) == 3 and set(codes.values()) == {onnx.TensorProto.INT4}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    """A Q4_0 Llama GGUF whose Q4_1 token_embd is the tied lm_head, with layer 0's attn_k Q5_0 (a fused q/k/v part
+    with no exact form), layer 1's attn_k Q4_1 and ffn_up Q8_0 (fused with Q4_0 siblings), compiled once:
+    (file, artifact, its quantize record, the warnings printed)."""
+    directory = tmp_path_factory.mktemp("mixed")
+    path = write_tiny_gguf(directory / "mixed.gguf", "Q4_0", embedding="Q4_1",
+                           exceptions={"blk.0.attn_k.weight": "Q5_0", "blk.1.attn_k.weight": "Q4_1",
+                                       "blk.1.ffn_up.weight": "Q8_0"})
+    report = fxllm.compile(str(path), directory / "artifact")
+    record = next(r for r in report.records if r.name == "quantize")
+    return path, directory / "artifact", record, record.diagnostics["warnings"]
+
+
+def _warning(warnings: list[str], text: str) -> str:
+    return next(w for w in warnings if text in w)
+
+
+def test_fused_projections_of_mixed_gguf_types(mixed_gguf):
+    """A fused projection is one block form: Q4_0 and Q4_1 parts share the Q4_1 form (kept, exact); a part with no
+    exact form, or Q8_0 beside Q4_0, leaves the whole projection float, and the warning names the fused weight,
+    its parts' types and why, apart from the tensors that have no exact form at all."""
+    path, artifact, record, warnings = mixed_gguf
+    layers = {row["weight"]: row["note"] for row in record.diagnostics["layers"]}
+    assert layers["model.model.layers.1.self_attn.q_proj+k_proj+v_proj"] == "gguf Q4_0+Q4_1 kept"
+    assert all(row["weight_error"] < 1e-6 for row in record.diagnostics["layers"])
+    fused = _warning(warnings, "are parts of fused projections whose parts share no block form")
+    assert fused.startswith("4 GGUF tensors of type Q4_0, Q8_0 ")  # layer 0's q and v, layer 1's gate and up
+    assert "model.model.layers.0.self_attn.q_proj+k_proj+v_proj (Q4_0/Q5_0/Q4_0)" in fused
+    assert "without fuse-projections" in fused and "exact values, stored as float32" in fused
+    assert _warning(warnings, "have no exact form").startswith("1 GGUF tensors of type Q5_0 ")
+    source = resolve_source(str(path))
+    engine = fxllm.load(artifact, int8_activations=False)
+    assert greedy(engine, PROMPTS) == transformers_greedy(load_model(source), load_tokenizer(source), PROMPTS)
+
+
+def test_a_q4_1_embedding_is_said_to_be_dequantized_exactly(mixed_gguf):
+    """A Q4_1 token_embd has an exact form (the tied lm_head keeps its Q4_1 blocks); only the embedding lookup
+    cannot read per-block offsets, and the warning says that rather than that Q4_1 has no exact form."""
+    _, _, record, warnings = mixed_gguf
+    embedding = _warning(warnings, "token_embd.weight")
+    assert embedding.startswith("1 GGUF tensors of type Q4_1 are token embeddings") and "no exact form" not in embedding
+    assert "Q8_0 and Q4_0 only" in embedding and "exact values, stored as float32" in embedding
+    head = next(row for row in record.diagnostics["layers"] if row["weight"].endswith("lm_head"))
+    assert head["note"] == "gguf Q4_1 kept"

@@ -114,3 +114,19 @@ def test_pass_options_are_checked_when_the_pipeline_is_built(pipeline, options, 
     model), not after minutes of loading, capture and earlier passes."""
     with pytest.raises(PipelineError, match=message):
         build_pipeline(parse_pipeline(pipeline), options)
+
+
+@pytest.mark.parametrize("quant, quant_options, pass_options, flag", [
+    ("int8", {}, {"method": "int4-rtn"}, "--quant int8 and --pass-option quantize.method=int4-rtn"),
+    ("int4-rtn", {"group_size": 64}, {"group_size": "32"}, "--group-size 64 and --pass-option quantize.group_size=32"),
+    ("int8", {"lm_head": "int4"}, {"lm_head": "int8"}, "--quant-lm-head int4 and --pass-option quantize.lm_head"),
+])
+def test_a_quantize_option_given_twice_is_refused(quant, quant_options, pass_options, flag):
+    """--quant and its flags set the quantize pass's options; --pass-option setting one of them too was silently
+    overridden. Options they do not set still pass through."""
+    from fxllm.compiler.pipeline import place_quantization
+
+    with pytest.raises(PipelineError, match=f"given twice \\({flag}.*give it once"):
+        place_quantization(None, {"quantize": pass_options}, quant, quant_options)
+    _, options = place_quantization(None, {"quantize": {"samples": "2"}}, quant, quant_options)
+    assert options["quantize"] == {"samples": "2", **quant_options, "method": quant}

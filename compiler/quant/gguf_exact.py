@@ -15,7 +15,10 @@ d and m are float16 in the file; they are kept as float32 holding the same value
 back as float16, see onnx_export). Every tensor is checked against the float weight the model was captured with,
 so a name mapping or row permutation that does not reproduce transformers' weights is caught, never shipped.
 Other quantized types (K-quants, Q5_x, IQ*) are not mapped: their layers keep transformers' float weights, and
-the compile says so (`unsupported`).
+the compile says so (a `Fallback` per weight, printed as a warning by the quantize pass).
+
+A fused weight (q/k/v or gate/up after fuse-projections, a MoE layer's gate_up experts) is one block form: its parts
+must share one (`shared_form`: Q4_0 and Q4_1 parts do, a Q4_0 block being a Q4_1 block with offset 0).
 """
 
 from __future__ import annotations
@@ -53,6 +56,59 @@ class GGUFBlocks:
     def permute_rows(self, order: torch.Tensor) -> GGUFBlocks:
         offsets = None if self.offsets is None else self.offsets[:, order]
         return GGUFBlocks(self.type_name, self.codes[order], self.scales[:, order], offsets)
+
+    def with_offsets(self) -> GGUFBlocks:
+        """The same values in the asymmetric form (zero offsets for a symmetric type): a Q4_0 tensor fused with
+        Q4_1 ones. Exact: d·c + 0 is d·c."""
+        if self.offsets is not None:
+            return self
+        return GGUFBlocks(self.type_name, self.codes, self.scales, torch.zeros_like(self.scales))
+
+
+@dataclass
+class Fallback:
+    """A weight whose GGUF tensors were not kept as blocks: the model computes with transformers' float32 copy
+    (the same values, dequantized exactly, stored four bytes a weight). `reason` groups the compile's warning."""
+
+    weight: str  # transformers' parameter name (diagnostics key)
+    tensors: list[str]  # the GGUF tensors behind it
+    type_name: str  # their GGUF type(s), '+'-joined when they differ
+    reason: str  # a key of the quantize pass's FALLBACK_REASONS
+    label: str = ""  # what the warning names as an example (default: the weight)
+
+
+def shared_form(types: list[str | None]) -> str | None:
+    """The one block form the parts of a fused weight (GGUF types, in order) can be kept as: their common type, or
+    Q4_1 for Q4_0 and Q4_1 parts (Q4_0 parts get zero offsets, `GGUFBlocks.with_offsets`); None when a part has no
+    exact form or the parts mix 8-bit and 4-bit blocks."""
+    kinds = set(types)
+    if not kinds <= set(EXACT_TYPES):
+        return None
+    if len(kinds) == 1:
+        return types[0]
+    return "Q4_1" if kinds == {"Q4_0", "Q4_1"} else None
+
+
+def stack_experts(parts: list[GGUFBlocks], experts: int) -> GGUFBlocks:
+    """The blocks of one MoE weight's parts (each [E·out_p, in], e.g. the gate then the up projections of every
+    expert, one shared form) as one [Σout_p, E·in] weight: each expert's inputs one after another, as
+    fxllm::dequantize_experts stores them (codes [E·in, out] once transposed; blocks never straddle two experts)."""
+    form = shared_form([p.type_name for p in parts])
+    if form is None:
+        raise ValueError(f"GGUF expert parts of types {[p.type_name for p in parts]} share no block form")
+    if form == "Q4_1":
+        parts = [p.with_offsets() for p in parts]
+
+    def joined(values: list[torch.Tensor], rows_first: bool) -> torch.Tensor:
+        if rows_first:  # codes [E·out_p, in] → [out, E·in]
+            stacked = torch.cat([v.reshape(experts, -1, v.shape[1]) for v in values], 1)  # [E, out, in]
+            return stacked.permute(1, 0, 2).reshape(stacked.shape[1], -1)
+        stacked = torch.cat([v.reshape(v.shape[0], experts, -1) for v in values], 2)  # [in/32, E, out]
+        return stacked.permute(1, 0, 2).reshape(-1, stacked.shape[2])
+
+    offsets = None if parts[0].offsets is None else joined([p.offsets for p in parts], False)
+    return GGUFBlocks(form, joined([p.codes for p in parts], True), joined([p.scales for p in parts], False),
+                      offsets)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -120,6 +176,11 @@ class GGUFWeights:
     def type_of(self, hf_name: str) -> str | None:
         name = self.gguf_name(hf_name)
         return self.tensors[name].tensor_type.name if name in self.tensors else None
+
+    def sizes(self, gguf_names: list[str]) -> tuple[int, int]:
+        """(bytes the file stores these tensors in, bytes of their float32 copies)."""
+        tensors = [self.tensors[name] for name in gguf_names if name in self.tensors]
+        return sum(int(t.n_bytes) for t in tensors), sum(4 * int(t.n_elements) for t in tensors)
 
     def blocks(self, hf_name: str, reference: torch.Tensor, num_heads: int, num_kv_heads: int) -> GGUFBlocks:
         """The stored blocks of the tensor behind `hf_name`, in transformers' row order, checked to dequantize to
