@@ -121,6 +121,21 @@ def test_legalized_form_generates_what_the_standard_form_does(float_lowerings, f
     assert_same_generation(float_lowerings["standard"], float_lowerings["legalized"], float_program, tokenizer, 1e-4)
 
 
+def test_rotary_tables_past_the_memory_bound_stay_per_step(float_program, tokenizer, tmp_path, monkeypatch):
+    """Tables of 2 x context rows past MAX_TABLE_BYTES (a context of millions of tokens: ONNX Runtime would fold
+    gigabytes at load) are not made: the rotaries keep computing per step, and generation is the same."""
+    from fxllm.compiler.targets.ort import attention_rotary
+
+    table_bytes = 2 * float_program.spec.max_positions * float_program.spec.head_dim * 4
+    monkeypatch.setattr(attention_rotary, "MAX_TABLE_BYTES", table_bytes - 1)
+    path = tmp_path / "per-step.onnx"
+    lowered = lower_to_onnx(float_program, path, "ort")
+    assert lowered.legalized["attention-rotary"] == 0 and lowered.legalized["group-query-attention"] > 0
+    standard = tmp_path / "standard.onnx"
+    assert_same_generation((standard, lower_to_onnx(float_program, standard, "ort", ort_steps=())), (path, lowered),
+                           float_program, tokenizer, 1e-4)
+
+
 def test_shared_buffer_grows_and_rolls_back(float_lowerings, float_program, tokenizer, monkeypatch):
     """A buffer smaller than the context is regrown with its rows kept; a truncated buffer (speculative rollback)
     is overwritten by the next step exactly like a cache that was cut."""

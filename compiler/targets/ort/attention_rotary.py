@@ -37,6 +37,9 @@ from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, constant, produ
 from fxllm.runtime.contract import POSITION_IDS
 
 NAME = "attention-rotary"
+# The cos and sin tables (2 x context rows) ONNX Runtime folds into memory when it loads the model: past this (a
+# 512K-token context at head size 128) the rotaries keep computing per step instead.
+MAX_TABLE_BYTES = 2**28
 
 
 def apply(model: ir.Model, context) -> int:
@@ -49,6 +52,8 @@ def apply(model: ir.Model, context) -> int:
     if any(site is None for site in sites):
         return 0
     rows = 2 * int(context.spec.max_positions)
+    if rows * max(site.head_dim for site in sites) * 4 > MAX_TABLE_BYTES:
+        return 0  # ONNX Runtime would fold the tables into memory at load: keep the rotaries computing per step
     cones: dict[tuple[int, int], list[ir.Node] | None] = {}
     for site in sites:
         key = (id(site.cos), id(site.sin))
@@ -218,7 +223,9 @@ def _evaluate(model: ir.Model, nodes: list[ir.Node], outputs: tuple[ir.Value, ..
     opsets = [onnx.helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()]
     proto = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=10)
     try:
-        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        options.log_severity_level = 4  # a failure here only means "keep the separate rotaries": not the user's
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return [session.run(None, {POSITION_IDS: np.arange(n, dtype=np.int64)[None]}) for n in lengths]
     except Exception:  # a subgraph ONNX Runtime cannot run alone: keep the separate rotaries
         return None
