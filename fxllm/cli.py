@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     _max_tokens_per_step_flag(p)
     _activation_flags(p)
 
-    p = commands.add_parser("inspect", help="show an artifact's passes, I/O, sizes and KV-cache cost")
+    p = commands.add_parser("inspect", help="show an artifact's passes, I/O, sizes, KV-cache cost and bits per "
+                                            "quantized weight")
     p.add_argument("artifact")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print it as one JSON object")
     p.add_argument("--check", choices=["tensorrt"], help="audit the ONNX against TensorRT's parser support table; "
                                                          "exit 1 on any finding")
     p.add_argument("--trt-version", default="10.15", help="TensorRT version the audit targets (default 10.15)")
@@ -111,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--max-tokens", type=int, help="score at most this many tokens of the text")
     p.add_argument("--reference", help="second model or artifact: also report mean KL and top-1 agreement")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as one strict JSON object; a non-finite "
+                                                      "value (an infinite perplexity) is null and named in "
+                                                      "\"non_finite\"")
 
     commands.add_parser("passes", help="list the available passes")
 

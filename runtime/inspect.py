@@ -1,19 +1,41 @@
-"""`fxllm inspect`: what an artifact holds — passes and their drift, I/O signature, file sizes, KV-cache cost."""
+"""`fxllm inspect`: what an artifact holds — passes and their drift, I/O signature, file sizes, KV-cache cost, and
+for a quantized model the bits per quantized weight as its model file stores them."""
 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 from fxllm.runtime.manifest import load_manifest
 from fxllm.runtime.paged_cache import DEFAULT_KV_BUDGET, default_num_blocks
+from fxllm.runtime.stored_tensors import StoredTensor, stored_tensors
+
+# Buffer names of the quantize pass (passes/quantize.py, compiler/quant/experts.py) as lowering keeps them (ONNX
+# Runtime's split-projections inserts `_partN` before the suffix): the codes, and what dequantizing them also reads.
+_CODES = re.compile(r"_codes(_part\d+)?$")
+_CODE_FORMAT_BITS = re.compile(r"_u?int(\d+)_codes(_part\d+)?$")
+_QUANT_PARAMS = re.compile(r"_(scales|offsets|zero_points)(_part\d+)?(_f16)?$")
+_ROLE = re.compile(r"_(u?int\d+_)?(codes|scales|offsets|zero_points)(?=(_part\d+)?(_f16)?$)")
+_SIZE_LINE_FILES = 3  # the largest files the size line names; the rest are summed
 
 
-def _mb(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def _size(n: float) -> str:
+    """A byte count in the largest binary unit that keeps it at least 1: '512 B', '65.8 KiB', '1.3 MiB'."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
+    """What `fxllm inspect` shows, as a JSON-ready dict; its "text" is the rendering. "quantization" is None for a
+    float model, else {"weights": quantized weight count, "of_weights": all weights (float and quantized),
+    "bits_per_weight": the stored bits of the codes, scales, offsets and zero points per quantized weight, "codes":
+    the same per code format, [{"bits": format width, "stored_bits": width as stored, "weights", "bits_per_weight"}]}.
+    ArtifactError for an invalid artifact."""
     loaded = load_manifest(path, verify=True)
     manifest, spec = loaded.data, loaded.data["spec"]
     kv_bytes = loaded.spec.kv_bytes_per_token()
@@ -34,6 +56,7 @@ def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
         "kv_cache_bytes_per_token_before_passes": kv_bytes // spec["num_kv_heads"] * (
             spec.get("source_num_kv_heads") or spec["num_kv_heads"]),
         "compile_seconds": manifest.get("compile_seconds", {}),
+        "quantization": quantization(loaded.model_file),
     }
     if loaded.io.paged:
         block_size = loaded.io.block_size
@@ -54,22 +77,23 @@ def _render(info: dict[str, Any]) -> str:
         f"{spec['num_heads']} heads / {spec['num_kv_heads']} KV heads × {spec['head_dim']}, hidden "
         f"{spec['hidden_size']}, vocab {spec['vocab_size']}, context {spec['max_positions']}",
         f"KV cache     {info['kv_cache_bytes_per_token']:,} bytes/token ({spec.get('dtype', 'float32')}), "
-        f"{_mb(info['kv_cache_bytes_full_context'])} per sequence at full context"
+        f"{_size(info['kv_cache_bytes_full_context'])} per sequence at full context"
         + (f"; {info['kv_cache_bytes_per_token_before_passes']:,} bytes/token before gqa regrouped "
            f"{spec['source_num_kv_heads']} → {spec['num_kv_heads']} KV heads" if spec.get("source_num_kv_heads") else ""),
         *([f"paged        blocks of {info['paged']['block_size']} tokens, {info['paged']['block_bytes']:,} bytes each; "
-           f"the default {_mb(DEFAULT_KV_BUDGET)} pool holds {info['paged']['default_budget_tokens']:,} tokens "
+           f"the default {_size(DEFAULT_KV_BUDGET)} pool holds {info['paged']['default_budget_tokens']:,} tokens "
            f"({info['paged']['default_budget_blocks']:,} blocks); set it with --kv-cache-memory / --kv-blocks"]
           if "paged" in info else []),
-        f"size         {_mb(info['bytes']['total'])}: "
-        + ", ".join(f"{k} {_mb(v)}" for k, v in info["bytes"]["files"].items() if v > 2**20),
+        _size_line(info["bytes"]["total"], info["bytes"]["files"]),
+        *([_quantization_line(info["quantization"])] if info["quantization"] else []),
         *_layer_lines(spec.get("layers") or []),
         "passes",
     ]
+    width = max((len(record["name"]) for record in info["passes"]), default=0)
     for record in info["passes"]:
         drift = record["drift"]
         options = f" {record['options']}" if record["options"] else ""
-        lines.append(f"  {record['name']:<14}{options} {record['seconds']:>6.2f} s   max|Δlogit| "
+        lines.append(f"  {record['name']:<{width}}{options} {record['seconds']:>6.2f} s   max|Δlogit| "
                      f"{drift['max_abs_logit']:.2e}  KL {drift['mean_kl']:.1e}  greedy {drift['greedy_agreement']:.0%}")
     lines.append("inputs")
     lines += [f"  {s['name']:<16} {s['dtype']}[{', '.join(map(str, s['dims']))}]" for s in _folded(info["io"]["inputs"])]
@@ -80,6 +104,73 @@ def _render(info: dict[str, Any]) -> str:
     for note in spec.get("notes", []):
         lines.append(f"note         {note}")
     return "\n".join(lines)
+
+
+def _size_line(total: int, files: dict[str, int]) -> str:
+    """'size  1.5 MiB: model.onnx.data 1.3 MiB, ...': the total, then the largest files, the rest summed."""
+    ranked = sorted(files.items(), key=lambda item: -item[1])
+    shown = [f"{name} {_size(size)}" for name, size in ranked[:_SIZE_LINE_FILES]]
+    rest = ranked[_SIZE_LINE_FILES:]
+    if rest:
+        shown.append(f"{len(rest)} more file{'s' if len(rest) > 1 else ''} {_size(sum(size for _, size in rest))}")
+    return f"size         {_size(total)} in {len(files)} file{'s' if len(files) != 1 else ''}: " + ", ".join(shown)
+
+
+def _quantization_line(quant: dict[str, Any]) -> str:
+    """'quantized    21.9% of 336,202 weights as int4 codes: 4.22 bits per quantized weight as stored, scales and
+    offsets counted'; with several code formats, also each one's bits and weight count."""
+    formats = [f"int{c['bits']}" for c in quant["codes"]]
+    unpacked = [f"int{c['bits']} stored in {c['stored_bits']} bits" for c in quant["codes"]
+                if c["stored_bits"] != c["bits"]]
+    each = "" if len(formats) == 1 else " (" + ", ".join(
+        f"{name} {c['bits_per_weight']:.2f} over {c['weights']:,}" for name, c in zip(formats, quant["codes"])) + ")"
+    return (f"quantized    {_percent(quant['weights'], quant['of_weights'])} of {quant['of_weights']:,} weights as "
+            f"{' and '.join(formats)} codes" + (f" ({', '.join(unpacked)})" if unpacked else "")
+            + f": {quant['bits_per_weight']:.2f} bits per quantized weight as stored{each}, scales and offsets counted")
+
+
+def _percent(part: int, whole: int) -> str:
+    """part/whole to 0.1%, never rounded up to 100.0% while part < whole (float norms stay visible)."""
+    share = 100 * part / whole if whole else 100.0
+    return f"{min(share, 99.9) if part < whole else share:.1f}%"
+
+
+def quantization(model_file: Path) -> dict[str, Any] | None:
+    """Quantized weights of a model file (.onnx or a torch.export .pt2) by the quantize pass's buffer names: None
+    when it holds no codes, else the dict `describe_artifact` documents. A file that cannot be parsed:
+    ArtifactError."""
+    tensors = list(stored_tensors(model_file))
+    codes = [t for t in tensors if _CODES.search(t.name) and not t.is_float and t.elements]
+    if not codes:
+        return None
+    params = [t for t in tensors if _QUANT_PARAMS.search(t.name)]
+    quantized = sum(t.elements for t in codes)
+    floats = sum(t.elements for t in tensors if t.is_float and not _QUANT_PARAMS.search(t.name))
+    overhead = {}  # stem → stored bits of its scales, offsets and zero points
+    for param in params:
+        overhead[_stem(param.name)] = overhead.get(_stem(param.name), 0) + param.elements * param.bits
+    formats: dict[tuple[int, int], list[int]] = {}  # (format bits, stored bits) → [weights, stored bits]
+    for code in codes:
+        totals = formats.setdefault((_format_bits(code), code.bits), [0, 0])
+        totals[0] += code.elements
+        totals[1] += code.elements * code.bits + overhead.get(_stem(code.name), 0)
+    return {"weights": quantized, "of_weights": quantized + floats,
+            "bits_per_weight": round(sum(t.elements * t.bits for t in codes + params) / quantized, 4),
+            "codes": [{"bits": bits, "stored_bits": stored, "weights": weights,
+                       "bits_per_weight": round(total / weights, 4)}
+                      for (bits, stored), (weights, total) in sorted(formats.items())]}
+
+
+def _stem(name: str) -> str:
+    """The buffer name without its role: quantized_2_int8_codes_part0 and quantized_2_scales_part0_f16 →
+    quantized_2_part0 (a layer's codes and the scales, offsets and zero points that go with them share it)."""
+    return _ROLE.sub("", name).removesuffix("_f16")
+
+
+def _format_bits(codes: StoredTensor) -> int:
+    """The codes' format width: the one their name gives (int4 codes may be stored one per byte), else as stored."""
+    match = _CODE_FORMAT_BITS.search(codes.name)
+    return int(match.group(1)) if match else codes.bits
 
 
 def _layer_lines(layers: list[dict[str, Any]]) -> list[str]:
