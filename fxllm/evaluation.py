@@ -53,6 +53,9 @@ class Scorer:
 
 @dataclass
 class EvalReport:
+    """What `fxllm eval` measured. Its floats may be infinite or NaN (a model whose mean NLL is past float range has
+    perplexity inf); `to_dict` keeps the JSON strict."""
+
     model: str
     tokens: int
     windows: int
@@ -64,7 +67,15 @@ class EvalReport:
     top1_agreement: float | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The report as strict JSON values (what `fxllm eval --json` prints): a non-finite float is null, and
+        "non_finite" then maps its field name to "inf", "-inf" or "nan" (the key is absent when every value is
+        finite). JSON has no infinity, and Python's json module would write the non-standard `Infinity`."""
+        values = asdict(self)
+        non_finite = {key: str(value) for key, value in values.items()
+                      if isinstance(value, float) and not math.isfinite(value)}
+        if non_finite:
+            values.update(dict.fromkeys(non_finite), non_finite=non_finite)
+        return values
 
     def text(self) -> str:
         lines = [f"model        {self.model}",

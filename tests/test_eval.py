@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pydoc_data.topics
 import pytest
 
 from fxllm.errors import FxllmError
-from fxllm.evaluation import Scorer, evaluate
+from fxllm.evaluation import EvalReport, Scorer, evaluate
 
 # An offline English text that ships with Python itself.
 TEXT = Path(pydoc_data.topics.__file__)
@@ -72,6 +73,21 @@ def test_a_reference_of_another_vocabulary_and_an_overflowing_perplexity(make_ti
     tokenizer.save_pretrained(tmp_path / "sharp")
     report = evaluate(str(tmp_path / "sharp"), TEXT, ctx=32, max_tokens=64)
     assert report.perplexity == math.inf
+
+
+def test_the_report_as_json_is_strict_for_non_finite_values():
+    """`fxllm eval --json` printed an infinite perplexity as `Infinity`, which strict JSON parsers refuse: it is
+    null, and "non_finite" says which value it was."""
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    report = EvalReport("m", 62, 2, 32, math.inf, reference="r", reference_perplexity=3.5, mean_kl=math.nan,
+                        top1_agreement=0.5)
+    data = json.loads(json.dumps(report.to_dict()), parse_constant=refuse)
+    assert data["perplexity"] is None and data["mean_kl"] is None and data["reference_perplexity"] == 3.5
+    assert data["non_finite"] == {"perplexity": "inf", "mean_kl": "nan"}
+    finite = EvalReport("m", 62, 2, 32, 12.5).to_dict()
+    assert "non_finite" not in finite and finite["perplexity"] == 12.5
 
 
 @pytest.mark.slow
