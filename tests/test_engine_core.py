@@ -335,7 +335,8 @@ def test_shutdown_aborts_queued_requests_before_they_run(paged_artifact, alone):
         running = server.generate(ids[0], params, "running")
         first = await anext(running)
         queued = [asyncio.create_task(collect(server.generate(ids[i], params, f"q{i}"))) for i in range(1, 5)]
-        while engine.core.stats().waiting < 4:
+        deadline = time.monotonic() + 60
+        while engine.core.stats().waiting < 4 and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
         assert await server.shutdown(drain_timeout=0) == 5
         rest = [output async for output in running]

@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -74,6 +75,32 @@ class ServerProcess:
                 pairs = [pair for pair in pairs if not pair.startswith("model_name=")]
                 values[name + (f"{{{','.join(pairs)}}}" if pairs else "")] = float(value)
         return values
+
+
+# Installed through PYTHONPATH as `sitecustomize` of a server process: every model call takes at least
+# FXLLM_TEST_STEP_SECONDS. The tiny model makes 200 tokens in ~0.12 s on an idle machine, so a test that needs a
+# request still running after a client round trip (a disconnect, a full queue, a drain) had only ~0.1-0.3 s of slack
+# on a loaded 2-core CI machine; at 15 ms a step the same request runs for 3 s.
+SLOW_STEPS = textwrap.dedent('''
+    import os, time
+    from fxllm.runtime.backend_ort import OrtBackend
+
+    _run, _seconds = OrtBackend.run, float(os.environ["FXLLM_TEST_STEP_SECONDS"])
+
+    def run(self, feeds):
+        time.sleep(_seconds)
+        return _run(self, feeds)
+
+    OrtBackend.run = run
+''')
+
+
+def slow_steps_env(directory: Path, seconds: float = 0.015) -> dict[str, str]:
+    """An environment for ServerProcess whose server takes at least `seconds` per model call (SLOW_STEPS)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(SLOW_STEPS)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")]),
+            "FXLLM_TEST_STEP_SECONDS": str(seconds), "FXLLM_API_KEY": ""}
 
 
 def wait_until(condition, timeout: float = 10.0, interval: float = 0.02):

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import PROMPTS
-from tests.serving.conftest import API_KEY, MODEL, ServerProcess, wait_until
+from tests.serving.conftest import API_KEY, MODEL, ServerProcess, slow_steps_env, wait_until
 
 STREAMS, CLOSED = 40, 10  # per round; every 4th stream is closed by its client after 3 chunks
 ROUND_PROMPTS = [(prompt + " ") * (1 + i % 3) + str(i) for i, prompt in enumerate(PROMPTS * 10)]  # 5-55 tokens
@@ -65,21 +65,32 @@ def idle(server) -> bool:
                                          "fxllm_num_requests_waiting", "fxllm_num_requests_admitted"))
 
 
-def test_one_disconnect_frees_its_blocks_at_once(server):
+@pytest.fixture(scope="module")
+def slow_server(serve_artifact, tmp_path_factory):
+    """A server whose model calls take 15 ms (slow_steps_env): a 200-token request runs for 3 s, so the disconnect
+    tests close their client while it surely still generates."""
+    directory = tmp_path_factory.mktemp("slow")
+    process = ServerProcess(serve_artifact, "--served-model-name", MODEL, "--api-key", API_KEY, "--threads", "1",
+                            log=directory / "stderr.log", env=slow_steps_env(directory / "site"))
+    yield process
+    assert process.terminate() == 0, process.log.read_text()
+
+
+def test_one_disconnect_frees_its_blocks_at_once(slow_server):
     """A lone stream closed after 3 chunks: its KV blocks are free (and its abort counted) well before it could
     have generated its 200 tokens."""
-    assert wait_until(lambda: idle(server))
-    aborts = server.metrics().get("fxllm_requests_total{finish_reason=abort}", 0)
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+    assert wait_until(lambda: idle(slow_server))
+    aborts = slow_server.metrics().get("fxllm_requests_total{finish_reason=abort}", 0)
+    with httpx.Client(base_url=slow_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
         body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0, "stream": True}
         with client.stream("POST", "/completions", json=body) as response:
             events = (line for line in response.iter_lines() if line)
             assert [next(events) for _ in range(3)]
-            assert server.metrics()["fxllm_kv_blocks_used"] > 0
+            assert slow_server.metrics()["fxllm_kv_blocks_used"] > 0
         closed = time.monotonic()
-    assert wait_until(lambda: idle(server), timeout=5)
+    assert wait_until(lambda: idle(slow_server), timeout=5)
     freed = time.monotonic() - closed
-    assert server.metrics()["fxllm_requests_total{finish_reason=abort}"] - aborts == 1
+    assert slow_server.metrics()["fxllm_requests_total{finish_reason=abort}"] - aborts == 1
     print(f"blocks free {freed * 1e3:.0f} ms after the client closed its stream")
 
 
@@ -109,22 +120,22 @@ def test_disconnects_abort_and_free_everything(server, engine):
     assert abs(rss[-1] - rss[WARM_UP_ROUNDS]) < RSS_TOLERANCE, [r >> 10 for r in rss]
 
 
-def test_non_streamed_disconnect_aborts(server):
+def test_non_streamed_disconnect_aborts(slow_server):
     """A non-streamed request whose client goes away while it generates is aborted (counted as an abort, not
     finished) and its KV blocks are freed at once."""
-    assert wait_until(lambda: idle(server))
-    before = server.metrics()
-    host, port = server.root.removeprefix("http://").split(":")
+    assert wait_until(lambda: idle(slow_server))
+    before = slow_server.metrics()
+    host, port = slow_server.root.removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(head + body)
-        assert wait_until(lambda: server.metrics()["fxllm_kv_blocks_used"] > 0, timeout=10)
+        assert wait_until(lambda: slow_server.metrics()["fxllm_kv_blocks_used"] > 0, timeout=10)
     closed = time.monotonic()
-    assert wait_until(lambda: idle(server), timeout=5)
+    assert wait_until(lambda: idle(slow_server), timeout=5)
     freed = time.monotonic() - closed
-    after = server.metrics()
+    after = slow_server.metrics()
     abort, length = "fxllm_requests_total{finish_reason=abort}", "fxllm_requests_total{finish_reason=length}"
     assert after.get(abort, 0) - before.get(abort, 0) == 1
     assert after.get(length, 0) == before.get(length, 0)
@@ -133,9 +144,12 @@ def test_non_streamed_disconnect_aborts(server):
 
 @pytest.fixture(scope="module")
 def small_server(serve_artifact, tmp_path_factory):
-    """One request decoded at a time and one queued: the third at once gets 429."""
+    """One request decoded at a time and one queued: the third at once gets 429. Its model calls take 15 ms
+    (slow_steps_env): a 200-token request runs for 3 s, well past the tests' client round trips."""
+    directory = tmp_path_factory.mktemp("small")
     process = ServerProcess(serve_artifact, "--served-model-name", MODEL, "--api-key", API_KEY, "--max-batch", "1",
-                            "--max-queue", "1", "--threads", "1", log=tmp_path_factory.mktemp("small") / "stderr.log")
+                            "--max-queue", "1", "--threads", "1", log=directory / "stderr.log",
+                            env=slow_steps_env(directory / "site"))
     yield process
     process.terminate()
 
@@ -158,12 +172,12 @@ def rest_of(lines) -> list[str]:
 
 def test_full_queue_answers_429(small_server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    openai_client = openai.OpenAI(base_url=small_server.url, api_key=API_KEY, max_retries=0)
     with httpx.Client(base_url=small_server.url, headers=headers, timeout=60) as client:
         running, queued = open_chat_stream(client, 200), open_chat_stream(client, 200)
         refused = client.post("/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         with pytest.raises(openai.RateLimitError):
-            openai.OpenAI(base_url=small_server.url, api_key=API_KEY, max_retries=0).completions.create(
-                model=MODEL, prompt="x", max_tokens=2)
+            openai_client.completions.create(model=MODEL, prompt="x", max_tokens=2)
         for _, lines in (running, queued):
             assert rest_of(lines)[-1] == "data: [DONE]"
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
@@ -200,7 +214,15 @@ def test_sigterm_turns_new_requests_away_while_draining(serve_artifact, tmp_path
     headers parsed before the signal, its body sent after) gets 503 with the OpenAI error body, while the stream
     that was running still completes; then exit 0. (uvicorn closes the listening socket at once, so a request that
     arrives later cannot even connect.)"""
-    process = ServerProcess(serve_artifact, "--max-batch", "1", log=tmp_path / "stderr.log")
+    process = ServerProcess(serve_artifact, "--max-batch", "1", log=tmp_path / "stderr.log",
+                            env=slow_steps_env(tmp_path / "site"))
+    try:
+        _turned_away_while_draining(process)
+    finally:
+        process.proc.kill()  # (a no-op once it exited)
+
+
+def _turned_away_while_draining(process: ServerProcess) -> None:
     host, port = process.root.removeprefix("http://").split(":")
     body = json.dumps({"model": "artifact", "prompt": "x", "max_tokens": 2}).encode()
     late = socket.create_connection((host, int(port)))
@@ -224,11 +246,17 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
     """One HTTP/1.1 response with a Content-Length: (status, JSON body)."""
     data = b""
     while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"the server closed the connection before answering: {data!r}")
+        data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
     while len(body) < length:
-        body += sock.recv(65536)
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"the server closed the connection mid-answer: {head!r}")
+        body += chunk
     sock.close()
     return int(head.split()[1]), json.loads(body)
 
@@ -236,7 +264,15 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
 def test_drain_timeout_bounds_the_shutdown(serve_artifact, tmp_path):
     """With --drain-timeout 0, SIGTERM aborts at once a running stream (an OpenAI error event, then [DONE]) and a
     queued non-streamed request (503 with the error body, not uvicorn's plain-text 500), and the process exits 0."""
-    process = ServerProcess(serve_artifact, "--max-batch", "1", "--drain-timeout", "0", log=tmp_path / "stderr.log")
+    process = ServerProcess(serve_artifact, "--max-batch", "1", "--drain-timeout", "0", log=tmp_path / "stderr.log",
+                            env=slow_steps_env(tmp_path / "site"))
+    try:
+        _drain_timeout_bounds_the_shutdown(process)
+    finally:
+        process.proc.kill()  # (a no-op once it exited)
+
+
+def _drain_timeout_bounds_the_shutdown(process: ServerProcess) -> None:
     body = {"model": "artifact", "prompt": "Hi", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     with httpx.Client(base_url=process.url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
         with client.stream("POST", "/completions", json={**body, "stream": True}) as response:

@@ -9,7 +9,6 @@ import functools
 import http.server
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -94,9 +93,10 @@ def service(serve_artifact):
 def test_health_fails_a_stopped_or_stalled_engine(service):
     """Healthy while idle and while it steps; unhealthy when it has work and no step finishes for stall_timeout
     (its stepping is blocked), and once the engine core has stopped."""
-    health = EngineHealth(service, stall_timeout=0.3)
-    release = threading.Event()
-    blocker = threading.Thread(target=service.engine.driver.run_exclusive, args=(release.wait,))
+    health = EngineHealth(service, stall_timeout=1.0)
+    held, release = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=service.engine.driver.run_exclusive,
+                               args=(lambda: (held.set(), release.wait()),))
 
     async def main():
         health.check()
@@ -104,7 +104,7 @@ def test_health_fails_a_stopped_or_stalled_engine(service):
         first = asyncio.ensure_future(outputs.__anext__())
         await asyncio.sleep(0.1)
         health.check()  # work arrived just now
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.5)
         with pytest.raises(EngineUnhealthy, match="finished no step"):
             health.check()
         release.set()
@@ -115,7 +115,7 @@ def test_health_fails_a_stopped_or_stalled_engine(service):
         await service.engine.shutdown(drain_timeout=1)
 
     blocker.start()
-    time.sleep(0.05)  # the blocker holds the step lock
+    assert held.wait(30)  # the blocker holds the step lock
     try:
         asyncio.run(main())
     finally:
