@@ -125,14 +125,18 @@ def gguf_architecture(source: ModelSource) -> str:
 
 def _read_config(source: ModelSource) -> dict[str, Any]:
     """config.json of a Hugging Face directory as a JSON object, or a ModelSourceError naming the file."""
-    path = source.directory / "config.json"
+    return _read_json_object(source.directory / "config.json", "a JSON object of config fields")
+
+
+def _read_json_object(path: Path, what: str = "a JSON object") -> dict[str, Any]:
+    """The JSON object in `path`, or a ModelSourceError naming the file (unreadable, not JSON, not `what`)."""
     try:
-        config = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelSourceError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ModelSourceError(f"{path} is not a JSON object of config fields (it holds a {type(config).__name__})")
-    return config
+    if not isinstance(data, dict):
+        raise ModelSourceError(f"{path} is not {what} (it holds a {type(data).__name__})")
+    return data
 
 
 def source_architecture(source: ModelSource) -> str:
@@ -225,12 +229,7 @@ def _check_tokenizer_files(directory: Path) -> None:
         path = directory / name
         if not path.is_file():
             continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelSourceError(f"cannot read {path}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ModelSourceError(f"{path} is not a JSON object (it holds a {type(data).__name__})")
+        data = _read_json_object(path)
         if name == "tokenizer.json":
             for key, kind in (("model", dict), ("added_tokens", list)):
                 if not isinstance(data.get(key), kind):

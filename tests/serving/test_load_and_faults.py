@@ -5,10 +5,12 @@ accepting, drain running requests within the timeout, exit 0)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -214,15 +216,23 @@ def test_sigterm_turns_new_requests_away_while_draining(serve_artifact, tmp_path
     headers parsed before the signal, its body sent after) gets 503 with the OpenAI error body, while the stream
     that was running still completes; then exit 0. (uvicorn closes the listening socket at once, so a request that
     arrives later cannot even connect.)"""
-    process = ServerProcess(serve_artifact, "--max-batch", "1", log=tmp_path / "stderr.log",
+    with one_at_a_time_server(serve_artifact, tmp_path) as process:
+        turned_away_while_draining(process)
+
+
+@contextlib.contextmanager
+def one_at_a_time_server(serve_artifact, tmp_path, *options: str) -> Iterator[ServerProcess]:
+    """`fxllm serve --max-batch 1` whose model calls take 15 ms (slow_steps_env); killed on the way out, so that a
+    failing test leaves no server behind (a no-op once it exited)."""
+    process = ServerProcess(serve_artifact, "--max-batch", "1", *options, log=tmp_path / "stderr.log",
                             env=slow_steps_env(tmp_path / "site"))
     try:
-        _turned_away_while_draining(process)
+        yield process
     finally:
-        process.proc.kill()  # (a no-op once it exited)
+        process.proc.kill()
 
 
-def _turned_away_while_draining(process: ServerProcess) -> None:
+def turned_away_while_draining(process: ServerProcess) -> None:
     host, port = process.root.removeprefix("http://").split(":")
     body = json.dumps({"model": "artifact", "prompt": "x", "max_tokens": 2}).encode()
     late = socket.create_connection((host, int(port)))
@@ -264,15 +274,11 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
 def test_drain_timeout_bounds_the_shutdown(serve_artifact, tmp_path):
     """With --drain-timeout 0, SIGTERM aborts at once a running stream (an OpenAI error event, then [DONE]) and a
     queued non-streamed request (503 with the error body, not uvicorn's plain-text 500), and the process exits 0."""
-    process = ServerProcess(serve_artifact, "--max-batch", "1", "--drain-timeout", "0", log=tmp_path / "stderr.log",
-                            env=slow_steps_env(tmp_path / "site"))
-    try:
-        _drain_timeout_bounds_the_shutdown(process)
-    finally:
-        process.proc.kill()  # (a no-op once it exited)
+    with one_at_a_time_server(serve_artifact, tmp_path, "--drain-timeout", "0") as process:
+        drain_timeout_bounds_the_shutdown(process)
 
 
-def _drain_timeout_bounds_the_shutdown(process: ServerProcess) -> None:
+def drain_timeout_bounds_the_shutdown(process: ServerProcess) -> None:
     body = {"model": "artifact", "prompt": "Hi", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     with httpx.Client(base_url=process.url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
         with client.stream("POST", "/completions", json={**body, "stream": True}) as response:
