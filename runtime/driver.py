@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 from fxllm.errors import GenerationError
 from fxllm.runtime.engine_core import EngineCore
+from fxllm.runtime.interruption import ctrl_c_after
 from fxllm.runtime.request import Request, RequestOutput, SamplingParams
 
 Sink = Callable[[RequestOutput], None]
@@ -146,6 +147,9 @@ class CoreDriver:
             with self._stepping(blocking=False) as held:
                 if held:
                     if not done():
+                        if not self.has_work():  # nothing left that could make it done: say so, do not spin
+                            raise GenerationError("internal error: a request's outputs were lost (the engine has "
+                                                  "no work left for it)")
                         self.step_locked()
                     continue
             with self._released:
@@ -198,10 +202,13 @@ class CoreDriver:
         """Hold the step lock (without blocking: if it is free; yields whether it is held), and once it is let go
         wake the callers waiting in step_until."""
         held = self._step_lock.acquire(blocking)
-        try:
-            yield held
-        finally:
-            if held:
+        if not held:
+            yield False
+            return
+        with ctrl_c_after():  # a step is never cut in two by Ctrl-C; it is raised once the lock is let go
+            try:
+                yield True
+            finally:
                 self._step_lock.release()
                 with self._released:
                     self._released.notify_all()

@@ -87,3 +87,24 @@ def held_back() -> Iterator[None]:
     if guard.pending is not None and guard.fired is None:
         guard.fired = guard.pending
         raise Interrupted(guard.pending)
+
+
+@contextmanager
+def ctrl_c_after() -> Iterator[None]:
+    """On the main thread, while Python's own SIGINT handler is installed: a Ctrl-C that arrives inside the block is
+    raised as KeyboardInterrupt once the block has ended, not in the middle of it. For an engine step: cut in two
+    (inside the scheduler's bookkeeping, ONNX Runtime's bindings, the hand-over of outputs) it leaked KV blocks,
+    lost other callers' requests or left stale bindings. Elsewhere, or under a handler of the program's own,
+    nothing changes."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    arrived: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if arrived:
+        raise KeyboardInterrupt

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -480,6 +482,58 @@ def test_a_request_another_thread_steps_for_returns_without_the_step_lock(paged_
     aborter.join(timeout=30)
     assert returned, "abort waited for the step lock"
     assert outputs[-1].finish_reason == "abort" and len(outputs) < 100
+    assert_pool_whole(engine)
+
+
+class CtrlCBackend(WrappedBackend):
+    """Wraps a real backend; once armed, its next call made on the main thread sends this process SIGINT (Ctrl-C)
+    in the middle of the model call."""
+
+    def __init__(self, inner: Backend):
+        super().__init__(inner)
+        self.armed, self.sent = False, False
+
+    def run(self, feeds):
+        if self.armed and threading.current_thread() is threading.main_thread():
+            self.armed, self.sent = False, True
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.inner.run(feeds)
+
+
+def test_ctrl_c_during_a_step_is_raised_after_it(paged_artifact, alone):
+    """Ctrl-C while the main thread steps for itself and another thread: the step ends first (no request in it is
+    cut in two), then the main thread's call raises KeyboardInterrupt; the other thread's request ends with its
+    exact tokens and every KV block comes back. Before, the interrupt landed inside the step: anywhere in the
+    scheduler's bookkeeping (leaked blocks, lost requests), ONNX Runtime's bindings, or the model call, which
+    failed the whole batch, the other thread's request included."""
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact)
+    backend = engine.runner.backend = CtrlCBackend(engine.runner.backend)
+    other: dict[str, object] = {}
+    started = threading.Event()
+
+    def other_thread() -> None:
+        started.set()
+        try:
+            other["tokens"] = engine.generate_ids([ids[1]], max_new_tokens=NEW32[1])[0].token_ids
+        except Exception as exc:  # noqa: BLE001 - the test checks what the caller got
+            other["tokens"] = exc
+
+    thread = threading.Thread(target=other_thread)
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for output in engine.stream_outputs(ids[0], SamplingParams(max_tokens=200, ignore_eos=True)):
+            got += output.new_token_ids
+            if len(got) == 2:
+                thread.start()
+                started.wait(30)
+            if len(got) >= 4 and engine.stats().running == 2:  # both decode: the next call is theirs together
+                backend.armed = True
+    thread.join(timeout=120)
+    assert backend.sent and not thread.is_alive()
+    assert other["tokens"] == expected[1].token_ids
+    engine.driver.flush()  # the interrupted stream's abort
+    engine.generate_ids([ids[2]], max_new_tokens=2)  # a step delivers it
     assert_pool_whole(engine)
 
 
