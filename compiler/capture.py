@@ -137,9 +137,9 @@ def spec_from_config(config, architecture: str, kv_heads: int | None = None) -> 
         max_positions=max_positions,
         rope=rope,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        bos_token_id=config.bos_token_id,
+        bos_token_id=getattr(config, "bos_token_id", None),  # (CodeGen's config has no pad_token_id)
         eos_token_ids=eos_ids,
-        pad_token_id=config.pad_token_id,
+        pad_token_id=getattr(config, "pad_token_id", None),
     )
 
 

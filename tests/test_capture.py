@@ -84,3 +84,17 @@ def test_pass_option_types_come_from_defaults_and_annotations():
                                                                 "label": str}
     finally:
         del _REGISTRY["test-option-types"]
+
+
+def test_a_config_without_special_token_fields_gives_a_spec():
+    """CodeGen's config has no pad_token_id attribute at all (not even None): the spec records None, not an
+    internal error (AttributeError) at capture."""
+    from transformers import CodeGenConfig
+
+    from fxllm.compiler.capture import spec_from_config
+
+    config = CodeGenConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=64, rotary_dim=4,
+                           bos_token_id=1, eos_token_id=2)
+    assert not hasattr(config, "pad_token_id")
+    spec = spec_from_config(config, "CodeGenForCausalLM")
+    assert (spec.pad_token_id, spec.bos_token_id, spec.eos_token_ids) == (None, 1, [2])
