@@ -297,6 +297,12 @@ def _rewrite(program: Program, result: QuantizedLinear, index: int) -> tuple[str
     return codes, scales
 
 
+def unpacked_codes_name(prefix: str, bits: int) -> str:
+    """The buffer of an embedding's codes: one per byte whatever their width (ONNX's Gather has no INT4 type), so
+    not `*_int4_codes`, which lowering packs two per byte; the width stays in the name (`fxllm inspect` reads it)."""
+    return f"{prefix}_int{bits}_unpacked_codes"
+
+
 def _quantize_embedding(program: Program, fmt: QuantFormat) -> None:
     """embedding(W [vocab, hidden], ids) → dequant_embedding(codes, scales, ids): rows quantized in blocks of the
     hidden dim (int4 codes are stored one per byte: ONNX's Gather has no INT4 type)."""
@@ -306,11 +312,12 @@ def _quantize_embedding(program: Program, fmt: QuantFormat) -> None:
         if weight is None:
             continue
         codes, scales, _ = round_to_nearest(weight.detach(), fmt)  # rows are the "output channels" here
-        program.graph_module.register_buffer(f"embedding_{index}_codes", codes)
+        name = unpacked_codes_name(f"embedding_{index}", fmt.bits)
+        program.graph_module.register_buffer(name, codes)
         program.graph_module.register_buffer(f"embedding_{index}_scales", scales.t().contiguous())
         with graph.inserting_before(node):
             replacement = graph.call_function(torch.ops.fxllm.dequant_embedding.default, (
-                graph.get_attr(f"embedding_{index}_codes"), graph.get_attr(f"embedding_{index}_scales"),
+                graph.get_attr(name), graph.get_attr(f"embedding_{index}_scales"),
                 node.args[1], fmt.group_size))
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
@@ -457,12 +464,13 @@ def _keep_embedding_blocks(program: Program, node: Node, weights: GGUFWeights) -
     name = str(node.args[0].target)
     blocks = weights.blocks(name, constant(program, node.args[0]).detach(), 1, 1)
     prefix = f"gguf_embedding_{node.name}"
-    program.graph_module.register_buffer(f"{prefix}_codes", blocks.codes.contiguous())
+    codes = unpacked_codes_name(prefix, blocks.fmt.bits)
+    program.graph_module.register_buffer(codes, blocks.codes.contiguous())
     program.graph_module.register_buffer(f"{prefix}_scales{HALF_SUFFIX}", blocks.scales.t().contiguous())
     graph = program.graph
     with graph.inserting_before(node):
         replacement = graph.call_function(torch.ops.fxllm.dequant_embedding.default, (
-            graph.get_attr(f"{prefix}_codes"), graph.get_attr(f"{prefix}_scales{HALF_SUFFIX}"), node.args[1],
+            graph.get_attr(codes), graph.get_attr(f"{prefix}_scales{HALF_SUFFIX}"), node.args[1],
             blocks.fmt.group_size))
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)

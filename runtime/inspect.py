@@ -15,9 +15,9 @@ from fxllm.runtime.stored_tensors import StoredTensor, stored_tensors
 # Buffer names of the quantize pass (passes/quantize.py, compiler/quant/experts.py) as lowering keeps them (ONNX
 # Runtime's split-projections inserts `_partN` before the suffix): the codes, and what dequantizing them also reads.
 _CODES = re.compile(r"_codes(_part\d+)?$")
-_CODE_FORMAT_BITS = re.compile(r"_u?int(\d+)_codes(_part\d+)?$")
+_CODE_FORMAT_BITS = re.compile(r"_u?int(\d+)_(unpacked_)?codes(_part\d+)?$")  # embeddings: one code per byte
 _QUANT_PARAMS = re.compile(r"_(scales|offsets|zero_points)(_part\d+)?(_f16)?$")
-_ROLE = re.compile(r"_(u?int\d+_)?(codes|scales|offsets|zero_points)(?=(_part\d+)?(_f16)?$)")
+_ROLE = re.compile(r"_(u?int\d+_(unpacked_)?)?(codes|scales|offsets|zero_points)(?=(_part\d+)?(_f16)?$)")
 _SIZE_LINE_FILES = 3  # the largest files the size line names; the rest are summed
 
 
@@ -118,15 +118,17 @@ def _size_line(total: int, files: dict[str, int]) -> str:
 
 def _quantization_line(quant: dict[str, Any]) -> str:
     """'quantized    21.9% of 336,202 weights as int4 codes: 4.22 bits per quantized weight as stored, scales and
-    offsets counted'; with several code formats, also each one's bits and weight count."""
-    formats = [f"int{c['bits']}" for c in quant["codes"]]
-    unpacked = [f"int{c['bits']} stored in {c['stored_bits']} bits" for c in quant["codes"]
-                if c["stored_bits"] != c["bits"]]
-    each = "" if len(formats) == 1 else " (" + ", ".join(
-        f"{name} {c['bits_per_weight']:.2f} over {c['weights']:,}" for name, c in zip(formats, quant["codes"])) + ")"
+    offsets counted'; with several code formats (or one stored two ways: an embedding's int4 codes one per byte),
+    also each one's bits and weight count."""
+    names = [f"int{c['bits']}" + (f" in {c['stored_bits']}-bit storage" if c["stored_bits"] != c["bits"] else "")
+             for c in quant["codes"]]
+    formats = list(dict.fromkeys(f"int{c['bits']}" for c in quant["codes"]))
+    each = "" if len(names) == 1 else " (" + ", ".join(
+        f"{name} {c['bits_per_weight']:.2f} over {c['weights']:,}" for name, c in zip(names, quant["codes"])) + ")"
+    stored = f" ({names[0].removeprefix(formats[0]).strip()})" if len(names) == 1 and names[0] != formats[0] else ""
     return (f"quantized    {_percent(quant['weights'], quant['of_weights'])} of {quant['of_weights']:,} weights as "
-            f"{' and '.join(formats)} codes" + (f" ({', '.join(unpacked)})" if unpacked else "")
-            + f": {quant['bits_per_weight']:.2f} bits per quantized weight as stored{each}, scales and offsets counted")
+            f"{' and '.join(formats)} codes{stored}: {quant['bits_per_weight']:.2f} bits per quantized weight as "
+            f"stored{each}, scales and offsets counted")
 
 
 def _percent(part: int, whole: int) -> str:

@@ -139,3 +139,19 @@ def test_inspect_counts_a_gguf_q4_1_block_as_5_5_bits(hf_model, tmp_path):
     assert [(c["bits"], c["bits_per_weight"]) for c in quant["codes"]] == [(4, 5.5), (8, 8.5)]
     assert re.search(r"as int4 and int8 codes: [\d.]+ bits per quantized weight as stored \(int4 5\.50 over [\d,]+, "
                      r"int8 8\.50 over [\d,]+\)", describe_artifact(tmp_path / "artifact")["text"])
+
+
+def test_inspect_names_an_int4_embedding_int4(hf_model, tmp_path):
+    """A GGUF's Q4_0 embedding keeps its blocks as int4 codes stored one per byte (ONNX's Gather has no INT4): inspect
+    calls them int4 (in 8-bit storage), not int8."""
+    import fxllm
+    from fxllm.runtime.inspect import describe_artifact
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(hf_model, tmp_path / "q4_0.gguf", "Q4_0")
+    fxllm.compile(path, tmp_path / "artifact")
+    info = describe_artifact(tmp_path / "artifact")
+    assert {c["bits"] for c in info["quantization"]["codes"]} == {4}, info["quantization"]
+    assert {(c["stored_bits"], c["bits_per_weight"]) for c in info["quantization"]["codes"]} >= {(8, 8.5)}
+    assert re.search(r"as int4 codes: [\d.]+ bits per quantized weight as stored \(int4 4\.50 over [\d,]+, "
+                     r"int4 in 8-bit storage 8\.50 over [\d,]+\)", info["text"]), info["text"]
