@@ -521,7 +521,10 @@ def test_ctrl_c_during_a_step_is_raised_after_it(paged_artifact, alone):
 
     thread = threading.Thread(target=other_thread)
     got = []
-    with pytest.raises(KeyboardInterrupt):
+    # Python's own SIGINT handler, as in a program: a pytest-xdist worker ignores SIGINT
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    with contextlib.ExitStack() as restore, pytest.raises(KeyboardInterrupt):
+        restore.callback(signal.signal, signal.SIGINT, previous)
         for output in engine.stream_outputs(ids[0], SamplingParams(max_tokens=200, ignore_eos=True)):
             got += output.new_token_ids
             if len(got) == 2:
