@@ -80,9 +80,7 @@ class CoreDriver:
                 if held:
                     self._apply_pending()
                     continue
-            with self._released:
-                if self._applied < target and self._step_lock.locked():
-                    self._released.wait(timeout=1.0)  # (the timeout only bounds a missed wake-up)
+            self._wait_for_the_stepping_thread(lambda: self._applied >= target)
 
     def abort_soon(self, request_id: str, notify: bool = True) -> None:
         """Abort now if no step is running, else before the next one; never waits. For a stream's cleanup, which
@@ -152,9 +150,7 @@ class CoreDriver:
                                                   "no work left for it)")
                         self.step_locked()
                     continue
-            with self._released:
-                if not done() and self._step_lock.locked():
-                    self._released.wait(timeout=1.0)  # (the timeout only bounds a missed wake-up)
+            self._wait_for_the_stepping_thread(done)
 
     def step(self) -> bool:
         """One step if there is work; whether one ran."""
@@ -196,6 +192,12 @@ class CoreDriver:
         """Run function() while no step runs (e.g. score() borrowing pool blocks)."""
         with self._stepping():
             return function()
+
+    def _wait_for_the_stepping_thread(self, done: Callable[[], bool]) -> None:
+        """Return once done(), or once the thread holding the step lock lets go of it (at once if none holds it)."""
+        with self._released:
+            if not done() and self._step_lock.locked():
+                self._released.wait(timeout=1.0)  # (the timeout only bounds a missed wake-up)
 
     @contextmanager
     def _stepping(self, blocking: bool = True) -> Iterator[bool]:
