@@ -89,14 +89,15 @@ def _gguf_expert_blocks(program, node, position: int, weights: GGUFWeights
     weight = constant(program, node.args[position])
     if weight is None:
         return None
-    parts = _gguf_part_names(str(node.args[position].target))
+    name = str(node.args[position].target)
+    parts = _gguf_part_names(name)
     types = [weights.type_of(part) for part in parts]
     if all(kind in FLOAT_TYPES for kind in types):
         return None
     if node.args[GATE] not in GGUF_GATES or None in types:
-        return _fallback(node, position, weights, "experts-layout")
+        return _fallback(node, name, parts, types, weights, "experts-layout")
     if shared_form(types) is None:
-        return _fallback(node, position, weights, "no-form" if not set(types) <= set(EXACT_TYPES)
+        return _fallback(node, name, parts, types, weights, "no-form" if not set(types) <= set(EXACT_TYPES)
                          else "experts-fused")
     matrix = _as_out_in(weight.detach(), node.args[TRANSPOSED])
     experts, rows = matrix.shape[0], matrix.shape[1] // len(parts)
@@ -112,10 +113,9 @@ def _gguf_part_names(name: str) -> list[str]:
     return [f"{prefix}.gate_proj", f"{prefix}.up_proj"] if leaf == "gate_up_proj" else [name]
 
 
-def _fallback(node, position: int, weights: GGUFWeights, reason: str) -> Fallback:
-    name = str(node.args[position].target)
-    parts = _gguf_part_names(name)
-    types = [weights.type_of(part) for part in parts]
+def _fallback(node, name: str, parts: list[str], types: list[str | None], weights: GGUFWeights,
+              reason: str) -> Fallback:
+    """The Fallback of the expert weight `name`, whose GGUF `parts` (of `types`) stay float."""
     return Fallback(name, [weights.gguf_name(part) for part in parts if weights.gguf_name(part)],
                     "+".join(dict.fromkeys(map(str, types))), reason, label=f"{node.name} {name.rpartition('.')[2]}")
 
