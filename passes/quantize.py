@@ -33,6 +33,7 @@ from fxllm.compiler.quant.folding import input_scale_folder
 from fxllm.compiler.quant.gguf_exact import (EXACT_TYPES, FLOAT_TYPES, GGUF_BLOCK, Fallback, GGUFWeights,
                                              shared_form)
 from fxllm.passes.fuse_projections import FUSED_FROM
+from fxllm.runtime.checks import byte_size
 from fxllm.errors import FxllmError, PipelineError
 
 aten = torch.ops.aten
@@ -449,13 +450,9 @@ def _fallback_warnings(fallbacks: list[Fallback], weights: GGUFWeights) -> list[
         stored, as_float = weights.sizes(tensors)
         types = sorted({t for f in group for t in f.type_name.split("+")})
         lines.append(f"{len(tensors)} GGUF tensors of type {', '.join(types)} {why}; they were dequantized to float "
-                     f"by transformers instead: exact values, stored as float32 ({_size(as_float)} instead of the "
-                     f"file's {_size(stored)}; e.g. {group[0].label or group[0].weight})")
+                     f"by transformers instead: exact values, stored as float32 ({byte_size(as_float)} instead of the "
+                     f"file's {byte_size(stored)}; e.g. {group[0].label or group[0].weight})")
     return lines
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _keep_embedding_blocks(program: Program, node: Node, weights: GGUFWeights) -> None:

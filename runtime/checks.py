@@ -93,3 +93,10 @@ def _check_range(name: str, param: str, value: float, minimum: float | None, max
         raise InvalidArgumentError(param, f"{name} must be >= {minimum:g}, got {short(value)}")
     if maximum is not None and value > maximum:
         raise InvalidArgumentError(param, f"{name} must be <= {maximum:g}, got {short(value)}")
+
+
+def byte_size(nbytes: float) -> str:
+    """A byte count in the largest binary unit that keeps it at least 1: '512 B', '65.8 KiB', '1.3 MiB', '1.8 PiB'."""
+    exponent = min(int(math.log(max(nbytes, 1), 1024)), 5)
+    unit = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"][exponent]
+    return f"{nbytes:.0f} B" if exponent == 0 else f"{nbytes / 1024 ** exponent:.1f} {unit}"

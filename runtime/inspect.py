@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fxllm.runtime.checks import byte_size
 from fxllm.runtime.manifest import load_manifest
 from fxllm.runtime.paged_cache import DEFAULT_KV_BUDGET, default_num_blocks
 from fxllm.runtime.stored_tensors import StoredTensor, stored_tensors
@@ -19,15 +20,6 @@ _CODE_FORMAT_BITS = re.compile(r"_u?int(\d+)_(unpacked_)?codes(_part\d+)?$")  # 
 _QUANT_PARAMS = re.compile(r"_(scales|offsets|zero_points)(_part\d+)?(_f16)?$")
 _ROLE = re.compile(r"_(u?int\d+_(unpacked_)?)?(codes|scales|offsets|zero_points)(?=(_part\d+)?(_f16)?$)")
 _SIZE_LINE_FILES = 3  # the largest files the size line names; the rest are summed
-
-
-def _size(n: float) -> str:
-    """A byte count in the largest binary unit that keeps it at least 1: '512 B', '65.8 KiB', '1.3 MiB'."""
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
@@ -77,11 +69,11 @@ def _render(info: dict[str, Any]) -> str:
         f"{spec['num_heads']} heads / {spec['num_kv_heads']} KV heads × {spec['head_dim']}, hidden "
         f"{spec['hidden_size']}, vocab {spec['vocab_size']}, context {spec['max_positions']}",
         f"KV cache     {info['kv_cache_bytes_per_token']:,} bytes/token ({spec.get('dtype', 'float32')}), "
-        f"{_size(info['kv_cache_bytes_full_context'])} per sequence at full context"
+        f"{byte_size(info['kv_cache_bytes_full_context'])} per sequence at full context"
         + (f"; {info['kv_cache_bytes_per_token_before_passes']:,} bytes/token before gqa regrouped "
            f"{spec['source_num_kv_heads']} → {spec['num_kv_heads']} KV heads" if spec.get("source_num_kv_heads") else ""),
         *([f"paged        blocks of {info['paged']['block_size']} tokens, {info['paged']['block_bytes']:,} bytes each; "
-           f"the default {_size(DEFAULT_KV_BUDGET)} pool holds {info['paged']['default_budget_tokens']:,} tokens "
+           f"the default {byte_size(DEFAULT_KV_BUDGET)} pool holds {info['paged']['default_budget_tokens']:,} tokens "
            f"({info['paged']['default_budget_blocks']:,} blocks); set it with --kv-cache-memory / --kv-blocks"]
           if "paged" in info else []),
         _size_line(info["bytes"]["total"], info["bytes"]["files"]),
@@ -109,11 +101,11 @@ def _render(info: dict[str, Any]) -> str:
 def _size_line(total: int, files: dict[str, int]) -> str:
     """'size  1.5 MiB: model.onnx.data 1.3 MiB, ...': the total, then the largest files, the rest summed."""
     ranked = sorted(files.items(), key=lambda item: -item[1])
-    shown = [f"{name} {_size(size)}" for name, size in ranked[:_SIZE_LINE_FILES]]
+    shown = [f"{name} {byte_size(size)}" for name, size in ranked[:_SIZE_LINE_FILES]]
     rest = ranked[_SIZE_LINE_FILES:]
     if rest:
-        shown.append(f"{len(rest)} more file{'s' if len(rest) > 1 else ''} {_size(sum(size for _, size in rest))}")
-    return f"size         {_size(total)} in {len(files)} file{'s' if len(files) != 1 else ''}: " + ", ".join(shown)
+        shown.append(f"{len(rest)} more file{'s' if len(rest) > 1 else ''} {byte_size(sum(size for _, size in rest))}")
+    return f"size         {byte_size(total)} in {len(files)} file{'s' if len(files) != 1 else ''}: " + ", ".join(shown)
 
 
 def _quantization_line(quant: dict[str, Any]) -> str:

@@ -7,7 +7,6 @@ comes in."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fxllm.errors import GenerationError, InvalidArgumentError
-from fxllm.runtime.checks import describe, flag, integer, text
+from fxllm.runtime.checks import byte_size, describe, flag, integer, text
 from fxllm.runtime.paged_cache import parse_bytes
 from fxllm.runtime.request import SamplingParams
 
@@ -163,8 +162,8 @@ def check_kv_pool(blocks: int, block_bytes: int, kv_blocks: int | None, kv_cache
     needed = blocks * block_bytes
     available = available_memory()
     if available is not None and needed > available:
-        raise GenerationError(f"{asked} needs {_size(needed)} for the KV pool ({blocks:,} blocks of {block_bytes:,} "
-                              f"bytes), more than the {_size(available)} of memory available; ask for fewer blocks "
+        raise GenerationError(f"{asked} needs {byte_size(needed)} for the KV pool ({blocks:,} blocks of "
+                              f"{block_bytes:,} bytes), more than the {byte_size(available)} of memory available; ask for fewer blocks "
                               "(kv_blocks, --kv-blocks) or a smaller budget (kv_cache_memory, --kv-cache-memory)")
     return blocks
 
@@ -192,8 +191,3 @@ def available_memory() -> int | None:
         except (OSError, ValueError):
             pass
     return max(0, min(limits)) if limits else None
-
-
-def _size(nbytes: float) -> str:
-    exponent = min(int(math.log(max(nbytes, 1), 1024)), 5)
-    return f"{nbytes / 1024 ** exponent:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'][exponent]}"
