@@ -17,7 +17,8 @@ def main(argv: list[str]) -> None:
     model = argv[1] if len(argv) > 1 else "smollm2-135m"
     output = argv[2] if len(argv) > 2 else f"artifacts/{Path(model).stem}"
 
-    report = fxllm.compile(model, output)  # passes="cleanup,kv-cache", dump_dir=None, target="ort"
+    # the default passes (cleanup,gqa,fuse-projections,select-logits,kv-cache), target "ort"
+    report = fxllm.compile(model, output)
     print(f"compiled {model} -> {report.output} in {report.total_seconds:.1f} s "
           f"({', '.join(f'{phase} {s:.1f} s' for phase, s in report.seconds.items())})")
     for record in report.records:
