@@ -19,17 +19,17 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from fxllm import __version__
 from fxllm.serving.errors import install_error_handlers
-from fxllm.serving.middleware import APIKeyGuard, BodySizeLimit
+from fxllm.serving.middleware import APIKeyGuard, BodySizeLimit, BugGuard
 from fxllm.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, Health, ModelCard, ModelList)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 429, 500, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
 # One server-sent event (OpenAPI before 3.2: the `schema` of an event stream describes each event).
 _EVENT = {"type": "object", "required": ["data"],
           "properties": {"data": {"type": "string", "description": "a chunk as JSON (the response object with text or "
@@ -47,6 +47,7 @@ def create_app(get_service: Callable[[], object], api_key: str | None = None,
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=api_key)
+    app.add_middleware(BugGuard)  # added last: the outermost of these, so that it sees what the others raise
 
     def service():
         return get_service()
@@ -63,8 +64,11 @@ def create_app(get_service: Callable[[], object], api_key: str | None = None,
     async def list_models(served=Depends(service)) -> ModelList:
         return ModelList(data=[await served.card(name) for name in served.model_names])
 
-    @app.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS)
-    async def get_model(model: str, served=Depends(service)) -> ModelCard:
+    # `:path`: a served name may hold slashes (`--served-model-name org/model`, as Hugging Face names are)
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+    async def get_model(model: str, raw: Request, served=Depends(service)):
+        if not model or model.endswith("/"):  # redirected without the slash, as routes without `:path` are
+            return RedirectResponse(raw.url.replace(path=raw.url.path.rstrip("/")), status_code=307)
         served.check_model(model)
         return await served.card(model)
 

@@ -2,9 +2,10 @@
 renders a conversation) → `n` assistant messages, as one JSON body or as server-sent events (a first chunk per
 choice with the role, content deltas, a last chunk per choice with the finish reason).
 
-Message content is a string or a list of text parts (joined with newlines); a `developer` message is given to the
-template as `system` (templates written before that role know only `system`). `max_completion_tokens` (or its
-deprecated alias `max_tokens`) defaults to what the context leaves after the prompt.
+Message content is a string or a list of text parts (joined with newlines; a part of another type, such as an image,
+is refused naming it); a `developer` message is given to the template as `system` (templates written before that
+role know only `system`). `max_completion_tokens` (or its deprecated alias `max_tokens`) defaults to what the context
+leaves after the prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fxllm.runtime.request import MAX_LOGPROBS
 from fxllm.serving.errors import APIError
 from fxllm.serving.logprobs import chat_logprobs
 from fxllm.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                    ChatMessage, ChoiceLogprobs, TokenLogprob, Usage)
+                                    ChatMessage, ChoiceLogprobs, ContentPart, TokenLogprob, Usage)
 from fxllm.serving.run import GenerationRun
 from fxllm.serving.sampling import check_supported, choices_per_prompt, max_new_tokens, sampling_params
 from fxllm.serving.service import Choice, OpenAIService
@@ -44,7 +45,8 @@ async def create_chat_completion(service: OpenAIService,
         raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {request.top_logprobs}",
                        param="top_logprobs")
     top = (request.top_logprobs or 0) if request.logprobs else None
-    prompt_ids = await service.encode_chat(template_messages(request.messages))
+    variables = template_variables(request.chat_template_kwargs)
+    prompt_ids = await service.encode_chat(template_messages(request.messages), variables)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     # the engine's max_tokens is whichever field the client set
     fields = {"max_tokens": "max_completion_tokens"} if request.max_completion_tokens is not None else None
@@ -52,23 +54,66 @@ async def create_chat_completion(service: OpenAIService,
                              logprobs=top, fields=fields)
     writer = ChatWriter(service, request, len(prompt_ids), n, f"chatcmpl-{uuid.uuid4().hex}")
     choices = [Choice(i, prompt_ids, params[i]) for i in range(n)]
-    return await respond(writer, service.start(choices, writer.id, fields), bool(request.stream))
+    try:
+        run = service.start(choices, writer.id, fields)
+    except APIError as exc:
+        if exc.param == "prompt":  # the engine's name for the rendered conversation: what the client sent is messages
+            exc.param = "messages"
+        raise
+    return await respond(writer, run, bool(request.stream))
+
+
+PASSED_ON = ("name", "tool_calls", "tool_call_id")  # message fields given to the template as sent, when set
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The conversation as the plain dicts a chat template reads (an empty one is refused by the template's
-    renderer)."""
+    """The conversation as the plain dicts a chat template reads, PASSED_ON fields included (a template that renders
+    an assistant's tool calls and the tool results' call ids gets them); an empty conversation is refused by the
+    template's renderer."""
     plain = []
-    for message in messages:
+    for index, message in enumerate(messages):
         item = {"role": "system" if message.role == "developer" else message.role}
         content = message.content
         if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
+            content = "\n".join(part_text(f"messages.{index}.content.{j}", part) for j, part in enumerate(content))
         item["content"] = "" if content is None else content
-        if message.name is not None:
-            item["name"] = message.name
+        for key in PASSED_ON:
+            if getattr(message, key) is not None:
+                item[key] = getattr(message, key)
         plain.append(item)
     return plain
+
+
+# Names a template variable cannot have: what the renderer sets itself, `chat_template` (which would pick the
+# template: a client does not get to send the code the server runs), and the other parameter names of the
+# functions the variables pass through as keyword arguments (Tokenizer.apply_chat_template, render_chat,
+# render_within), which would collide with them.
+RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt", "chat_template", "self", "template",
+                    "special_tokens", "seconds")
+
+
+def template_variables(kwargs: dict | None) -> dict:
+    """A request's chat_template_kwargs: variables the template sees besides the conversation (as vLLM takes them:
+    `enable_thinking` and the like); 400 for a name in RENDER_ARGUMENTS."""
+    taken = sorted(set(kwargs or ()) & set(RENDER_ARGUMENTS))
+    if taken:
+        raise APIError(400, f"chat_template_kwargs cannot set {', '.join(taken)}", param="chat_template_kwargs")
+    return dict(kwargs or {})
+
+
+def part_text(where: str, part: ContentPart) -> str:
+    """The text of a content part at `where` (`messages.0.content.1`); 400 naming a part of another type (an image
+    cannot be given to a text model), 422 for a text part without its text."""
+    if part.type != "text":
+        shown = part.type if len(part.type) <= MAX_TYPE_SHOWN else part.type[:MAX_TYPE_SHOWN] + "..."
+        raise APIError(400, f"{where} is a content part of type '{shown}'; this server takes text only (parts of "
+                            "type 'text')", param=f"{where}.type")
+    if part.text is None:
+        raise APIError(422, f"missing required parameter '{where}.text'", param=f"{where}.text")
+    return part.text
+
+
+MAX_TYPE_SHOWN = 40  # characters of an unknown part type that its error repeats
 
 
 class ChatWriter:

@@ -61,6 +61,7 @@ def prompt_count(prompt) -> int:
 
 
 async def read_prompts(service: OpenAIService, prompt) -> list[Prompt]:
+    """The request's prompts, tokenized or checked against the vocabulary (400 naming the one at fault)."""
     if isinstance(prompt, str):
         return [Prompt(prompt, await service.encode(prompt))]
     if not prompt:
@@ -68,8 +69,13 @@ async def read_prompts(service: OpenAIService, prompt) -> list[Prompt]:
     if all(isinstance(item, int) for item in prompt):
         return [Prompt(None, list(prompt))]
     if all(isinstance(item, str) for item in prompt):
-        return [Prompt(text, await service.encode(text)) for text in prompt]
-    return [Prompt(None, service.token_ids(f"prompt[{p}]", ids)) for p, ids in enumerate(prompt)]
+        prompts = [Prompt(text, await service.encode(text)) for text in prompt]
+    else:
+        prompts = [Prompt(None, service.token_ids(f"prompt[{p}]", ids)) for p, ids in enumerate(prompt)]
+    for p, each in enumerate(prompts):
+        if not each.token_ids:  # named here: the engine's own refusal cannot say which prompt of the list it was
+            raise APIError(400, f"prompt[{p}] is empty (no tokens)", param="prompt")
+    return prompts
 
 
 class CompletionWriter:

@@ -2,13 +2,15 @@
 
 | status | when |
 | --- | --- |
-| 400 | not JSON; a value the engine refuses (its GenerationError's message; `param` of an InvalidArgumentError) |
+| 400 | not JSON, or JSON that cannot be read (not UTF-8, nested too deeply) |
+| 400 | a value the engine refuses (its GenerationError's message; `param` of an InvalidArgumentError) |
 | 400 | an unsupported field, `n` out of range, more choices than the server admits at once |
 | 401 | a missing or wrong API key |
 | 404 | an unknown model or route |
 | 405 | a wrong method |
 | 413 | a body over the size limit |
-| 422 | a JSON body that does not fit the schema (wrong types, missing fields) |
+| 415 | a body sent without a JSON Content-Type (none, or e.g. `curl -d`'s form encoding) |
+| 422 | a JSON body that does not fit the schema (not an object, wrong types, missing fields) |
 | 429 | the request queue is full (retry later) |
 | 500 | a model call failed, or a bug: a one-line message, never a traceback (the server log has it) |
 | 503 | the server is shutting down |
@@ -36,8 +38,8 @@ logger = logging.getLogger("fxllm.serving")
 _UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|^[a-z_-]+\[.*\]$")  # pydantic's union members in a loc
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -92,16 +94,59 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         context = first.get("ctx") or {}
         reason = context.get("error") or first.get("msg", "invalid JSON")
         return APIError(400, f"the request body is not valid JSON: {reason}").response()
-    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _UNION_TAG.match(str(part))]
-    param = ".".join(location) or None
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "missing":
+    if first.get("type") == "model_attributes_type" and not _location(first):
+        return not_an_object(request.headers.get("content-type"), first.get("input")).response()
+    reported = _most_specific(errors)
+    param = ".".join(_location(reported)) or None
+    message = reported.get("msg", "invalid request")
+    if reported.get("type") == "missing":
         message = f"missing required parameter '{param}'" if param else "the request has no body (a JSON object)"
     elif param:
         message = f"invalid value for '{param}': {message}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return APIError(422, _one_line(message), param=param).response()
+
+
+def _location(error: Mapping) -> list[str]:
+    """Where in the body an error is, without pydantic's union members (`prompt.list[int].0` is `prompt.0`)."""
+    return [str(part) for part in error.get("loc", ()) if part != "body" and not _UNION_TAG.match(str(part))]
+
+
+def _most_specific(errors: list[Mapping]) -> Mapping:
+    """The error reaching deepest into the body (the first of those): where a field takes several types, the
+    members the value's type does not fit fail at the field itself ("`content` should be a valid string" for a list
+    of parts), while the member it fits fails at the element at fault, which is what the client has to fix."""
+    return max(errors, key=lambda error: len(_location(error)))
+
+
+_JSON_TYPES = ((type(None), "null"), (bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"),
+               (list, "an array"))
+
+
+def not_an_object(content_type: str | None, body) -> APIError:
+    """A body that is not a JSON object: bytes FastAPI did not parse because the Content-Type is not JSON (415: `curl
+    -d` sends form encoding; a body without a Content-Type is not parsed either, FastAPI's guard against cross-site
+    requests), or JSON of another type (422)."""
+    if isinstance(body, (bytes, bytearray)):
+        came = f"came as '{_one_line(content_type)[:MAX_SHOWN]}'" if content_type else "came without a Content-Type"
+        return APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json'; this one "
+                             f"{came}")
+    kind = next((name for kind, name in _JSON_TYPES if isinstance(body, kind)), type(body).__name__)
+    return APIError(422, f"the request body must be a JSON object, not {kind}")
+
+
+MAX_SHOWN = 100  # characters of a request's header that an error repeats
+
+
+def unreadable_body(cause: BaseException) -> str:
+    """Why FastAPI could not read a body as JSON (`cause`: what its parsing raised), in one line: not UTF-8, nested
+    past Python's recursion limit, an integer too long for int()."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not UTF-8 text (byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "the request body nests arrays or objects too deeply to be read"
+    return f"the request body cannot be read as JSON: {_one_line(str(cause).split(';')[0])}"
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -111,6 +156,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         message = f"no route {request.method} {request.url.path}"
     elif status == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
+    elif status == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):  # FastAPI's body parsing
+        message = unreadable_body(exc.__cause__)
     elif not message:
         message = HTTPStatus(status).phrase
     code = "request_too_large" if status == 413 else None

@@ -1,6 +1,6 @@
-"""Two guards in front of the routes, as plain ASGI middleware so that they act before the body is read or parsed:
-the API key (401 for /v1/ routes without `Authorization: Bearer KEY`; compared in constant time) and the body size
-limit (413 from the Content-Length header, or once the bytes received pass it)."""
+"""Guards in front of the routes, as plain ASGI middleware so that they act before the body is read or parsed: the
+API key (401 for /v1/ routes without `Authorization: Bearer KEY`; compared in constant time), the body size limit
+(413 from the Content-Length header, or once the bytes received pass it), and the answer to a bug (BugGuard)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import hmac
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fxllm.serving.errors import APIError
+from fxllm.serving.errors import APIError, internal_error, logger
 
 PROTECTED_PREFIX = "/v1/"
 
@@ -67,6 +67,36 @@ class BodySizeLimit:
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than the server's limit of {self.max_bytes:,} bytes",
                         code="request_too_large")
+
+
+class BugGuard:
+    """Answers an exception that no handler took (a bug) with the one-line 500 itself. Left to Starlette's outermost
+    middleware, the client gets the same answer but the exception is then raised on to the server: uvicorn logs the
+    traceback a second time and closes the keep-alive connection without having said so (no `Connection: close`),
+    so the client's next request on it fails. A response already started (a stream) cannot be answered again: its
+    exception goes on (the streams' own failures are error events; see streaming.py)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            if started:
+                raise
+            logger.error("internal error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            await internal_error(exc).response()(scope, receive, send)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -3,14 +3,14 @@
 Field names, types and defaults follow the OpenAI API reference (completions, chat completions, models, errors).
 The schema states types only: a value of the right type that the engine refuses (a negative temperature, a prompt
 longer than the context) is answered 400 with the engine's own one-line message, a value of the wrong type 422.
-Unknown request fields are ignored (as vLLM does); fields of the reference that fxllm does not implement are
-accepted at their defaults and refused (400, naming the field) otherwise. Extensions (as vLLM spells them): `top_k`
-(0 or -1: no limit) and `ignore_eos`.
+Unknown request fields are ignored (as vLLM does); fields of the reference, and vLLM extensions, that fxllm does not
+implement are accepted at their defaults and refused (400, naming the field) otherwise. Extensions (as vLLM spells
+them): `top_k` (0 or -1: no limit), `ignore_eos` and chat's `chat_template_kwargs`.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,11 +20,40 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class _FailFast:
+    """`_FailFast[T]`: a list of T whose validation stops at its first bad item. A 4 MiB body holds a million items:
+    an error for each (per member of a union: `prompt` has three list members) took pydantic and FastAPI ~20 s on
+    the event loop, stalling every stream, and ~600 MB to report; the client only needs the first."""
+
+    def __class_getitem__(cls, item):
+        return Annotated[list[item], Field(fail_fast=True)]
+
+
 class StreamOptions(_Request):
     include_usage: Optional[bool] = False  # a last chunk with `usage` (and no choices) before [DONE]
 
 
-class _SamplingFields(_Request):
+class _VllmExtensions(_Request):
+    """vLLM's extensions that fxllm does not implement, declared (any type) so that a value other than their default
+    is refused naming the field (400; sampling.check_supported) instead of being ignored as unknown fields are: a
+    client asking for `guided_json` must not get free text as if it had been applied."""
+
+    min_p: Optional[Any] = Field(None, description="vLLM extension, not supported: 0")
+    repetition_penalty: Optional[Any] = Field(None, description="vLLM extension, not supported: 1")
+    min_tokens: Optional[Any] = Field(None, description="vLLM extension, not supported: 0")
+    stop_token_ids: Optional[Any] = Field(None, description="vLLM extension, not supported: []")
+    bad_words: Optional[Any] = Field(None, description="vLLM extension, not supported: []")
+    allowed_token_ids: Optional[Any] = Field(None, description="vLLM extension, not supported")
+    include_stop_str_in_output: Optional[Any] = Field(None, description="vLLM extension, not supported: false")
+    skip_special_tokens: Optional[Any] = Field(None, description="vLLM extension, not supported: true")
+    guided_json: Optional[Any] = Field(None, description="vLLM extension, not supported")
+    guided_regex: Optional[Any] = Field(None, description="vLLM extension, not supported")
+    guided_choice: Optional[Any] = Field(None, description="vLLM extension, not supported")
+    guided_grammar: Optional[Any] = Field(None, description="vLLM extension, not supported")
+    structured_outputs: Optional[Any] = Field(None, description="vLLM extension, not supported")
+
+
+class _SamplingFields(_VllmExtensions):
     """What both endpoints take."""
 
     model: str
@@ -36,16 +65,17 @@ class _SamplingFields(_Request):
     n: Optional[int] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Optional[Union[str, _FailFast[str]]] = None
     seed: Optional[int] = Field(None, description="choice i of a request samples with seed + i")
     frequency_penalty: Optional[float] = Field(0.0, description="not supported: must be 0")
     presence_penalty: Optional[float] = Field(0.0, description="not supported: must be 0")
-    logit_bias: Optional[dict[str, float]] = Field(None, description="not supported: must be empty")
+    # values unchecked: any non-empty logit_bias is refused, and a type error for each of a million entries is slow
+    logit_bias: Optional[dict[str, Any]] = Field(None, description="not supported: must be empty")
     user: Optional[str] = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, _FailFast[str], _FailFast[int], _FailFast[_FailFast[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = Field(None, description="the logprobs of the N most likely tokens at each position")
     echo: Optional[bool] = False
@@ -53,26 +83,35 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[str] = Field(None, description="not supported")
 
 
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Request):
+    """A part of a message's content. Only `text` parts are served; a part of another type (`image_url`,
+    `input_audio`, `file`) is refused naming its type (400), which the schema alone would answer as "content should
+    be a valid string"."""
+
+    type: str = Field(description="only 'text' is supported")
+    text: Optional[str] = Field(None, description="required in a 'text' part")
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextContentPart]]] = None
+    content: Optional[Union[str, _FailFast[ContentPart]]] = None
     name: Optional[str] = None
+    # a conversation's history as the chat template reads it (tools themselves are not supported: see sampling.py)
+    tool_calls: Optional[_FailFast[dict]] = Field(None, description="an assistant message's tool calls, as sent")
+    tool_call_id: Optional[str] = Field(None, description="the call a tool message answers")
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: _FailFast[ChatMessage]
     max_tokens: Optional[int] = Field(None, description="deprecated alias of max_completion_tokens")
     max_completion_tokens: Optional[int] = Field(None, description="default: what the context leaves")
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[dict]] = Field(None, description="not supported")
+    tools: Optional[_FailFast[dict]] = Field(None, description="not supported")
     tool_choice: Optional[Union[str, dict]] = Field(None, description="not supported")
     response_format: Optional[dict] = Field(None, description="only {'type': 'text'}")
+    chat_template_kwargs: Optional[dict] = Field(None, description="extension (vLLM's): more variables for the chat "
+                                                                   "template, e.g. {'enable_thinking': false}")
 
 
 # -- responses --------------------------------------------------------------------------------------------------------

@@ -17,12 +17,24 @@ from fxllm.serving.protocol import ChatCompletionRequest, CompletionRequest
 from fxllm.serving.service import MAX_CHOICES
 
 
+# vLLM's extensions fxllm does not implement (protocol._VllmExtensions) → the values that change nothing (besides
+# null); any other value is refused.
+VLLM_DEFAULTS = {"min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "stop_token_ids": ([],),
+                 "bad_words": ([],), "allowed_token_ids": (), "include_stop_str_in_output": (False,),
+                 "skip_special_tokens": (True,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+                 "guided_grammar": (), "structured_outputs": ()}
+
+
 def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse (400, naming the field) the reference's fields that fxllm does not implement, unless at their
-    defaults, and `stream_options` without `stream` (as OpenAI does)."""
+    """Refuse (400, naming the field) the reference's fields and vLLM's extensions that fxllm does not implement,
+    unless at their defaults, and `stream_options` without `stream` (as OpenAI does)."""
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(request, name) not in (None, 0):
             raise APIError(400, f"{name} is not supported by fxllm; leave it at 0", param=name)
+    for name, defaults in VLLM_DEFAULTS.items():
+        value = getattr(request, name)
+        if value is not None and not any(_same_json(value, d) for d in defaults):
+            raise APIError(400, f"{name} (a vLLM extension) is not supported by fxllm", param=name)
     if request.logit_bias:
         raise APIError(400, "logit_bias is not supported by fxllm", param="logit_bias")
     if request.stream_options is not None and not request.stream:
@@ -38,6 +50,11 @@ def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
     if request.response_format not in (None, {"type": "text"}):
         raise APIError(400, "response_format other than {'type': 'text'} is not supported by fxllm",
                        param="response_format")
+
+
+def _same_json(a, b) -> bool:
+    """Equal as JSON values: 0 and 0.0 alike, but `true` is not 1."""
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
 
 
 def choices_per_prompt(n: int | None) -> int:

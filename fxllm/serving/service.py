@@ -152,15 +152,17 @@ class OpenAIService:
         except GenerationError as exc:
             raise bad_request(exc) from None
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        """A conversation through the model's chat template, as Engine.generate(chat=True) tokenizes it."""
+    async def encode_chat(self, messages: list[dict], variables: Mapping[str, object] | None = None) -> list[int]:
+        """A conversation through the model's chat template, as Engine.generate(chat=True) tokenizes it; `variables`:
+        extra names the template sees (a request's chat_template_kwargs)."""
         try:
-            return await asyncio.to_thread(self._encode_chat, messages)
+            return await asyncio.to_thread(self._encode_chat, messages, dict(variables or {}))
         except GenerationError as exc:
             raise APIError(400, str(exc), param="messages") from None
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
-        text = checks.text("messages", self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def _encode_chat(self, messages: list[dict], variables: dict[str, object]) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables)
+        text = checks.text("messages", rendered)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- admission ----------------------------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """The server under load and faults: clients that disconnect mid-stream (their requests are aborted and their KV
-blocks freed, the others complete correctly, memory stays flat over rounds), a full queue (429), and SIGTERM (stop
-accepting, drain running requests within the timeout, exit 0)."""
+blocks freed, the others complete correctly, memory stays flat over rounds), a full queue (429), SIGTERM (stop
+accepting, drain running requests within the timeout, exit 0), and a bug in a route (a one-line 500 on a connection
+that keeps serving)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import time
@@ -295,3 +297,63 @@ def drain_timeout_bounds_the_shutdown(process: ServerProcess) -> None:
     assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"], answer.text
     assert process.proc.wait(30) == 0
     assert time.monotonic() - start < 10
+
+
+# Installed as `sitecustomize` of a server process: the model card raises, a bug in the server's own code.
+BUGGY_CARD = '''
+from fxllm.serving.service import OpenAIService
+
+
+async def card(self, name):
+    raise RuntimeError("injected bug")
+
+
+OpenAIService.card = card
+'''
+
+
+def next_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a Content-Length from `sock`, which stays open (unlike read_response): status,
+    headers (lower-case names), body; status 0 when the server closed the connection instead."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return 0, {}, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict((name.strip().lower(), value.strip()) for name, _, value in
+                   (line.partition(":") for line in lines[1:]))
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_a_bug_is_one_line_500_and_the_connection_keeps_serving(serve_artifact, tmp_path):
+    """A bug in a route (the model card raises) is the one-line OpenAI 500, logged once, and the keep-alive connection
+    it came on serves the client's next request (Starlette's outermost middleware would answer the same 500 but
+    re-raise the exception to uvicorn, which then closes the connection without `Connection: close`)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BUGGY_CARD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "FXLLM_API_KEY": ""}
+    server = ServerProcess(serve_artifact, "--threads", "1", log=tmp_path / "stderr.log", env=env)
+    try:
+        host, port = server.root.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: fxllm\r\n\r\n")
+            status, headers, body = next_response(sock)
+            assert status == 500 and headers.get("connection") != "close", (status, headers, body)
+            error = json.loads(body)["error"]
+            assert error["message"] == "internal server error: RuntimeError (details are in the server log)"
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: fxllm\r\n\r\n")
+            assert next_response(sock)[0] == 200
+    finally:
+        assert server.terminate() == 0
+    log = server.log.read_text()
+    assert log.count("RuntimeError: injected bug") == 1 and "Exception in ASGI application" not in log, log

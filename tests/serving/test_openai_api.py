@@ -342,7 +342,7 @@ def error_of(response: httpx.Response) -> dict:
     ({"model": MODEL, "prompt": "x", "max_tokens": True}, 422, "max_tokens"),  # no bool is a number
     ({"model": MODEL, "prompt": "x", "temperature": True}, 422, "temperature"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 422, "stream"),
-    ({"model": MODEL, "prompt": [True, False]}, 422, "prompt"),
+    ({"model": MODEL, "prompt": [True, False]}, 422, "prompt.0"),  # the element at fault
 ])
 def test_completion_errors(server, body, status, param):
     response = httpx.post(f"{server.url}/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
@@ -519,8 +519,8 @@ def test_error_statuses_through_the_client(client, server):
     assert error_of(httpx.post(f"{server.url}/completions", content=b"{}"))["code"] == "invalid_api_key"
     for header, status in ((f"bearer {API_KEY}", 422), (f"BEARER  {API_KEY}", 422), (f"Basic {API_KEY}", 401),
                            (f"Bearer {API_KEY}x", 401), ("Bearer", 401)):  # the scheme in any case (RFC 7235)
-        assert httpx.post(f"{server.url}/completions", content=b"{}",
-                          headers={"Authorization": header}).status_code == status, header
+        sent = {"Authorization": header, "Content-Type": "application/json"}
+        assert httpx.post(f"{server.url}/completions", content=b"{}", headers=sent).status_code == status, header
     too_big = httpx.post(f"{server.url}/completions", headers=headers,
                          content=json.dumps({"model": MODEL, "prompt": "x" * (5 << 20)}))
     assert (too_big.status_code, error_of(too_big)["code"]) == (413, "request_too_large")

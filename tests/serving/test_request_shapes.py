@@ -1,0 +1,202 @@
+"""Request shapes a client gets wrong, or that the schema alone would answer unclearly: each is one OpenAI error with
+a message that names what to fix (and the right status), and the app serves the next request. The app runs in this
+process (httpx's ASGI transport) under a served name with a slash, as Hugging Face names have."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+import fxllm
+from fxllm.runtime.async_engine import AsyncEngine
+from fxllm.serving.app import create_app
+from fxllm.serving.service import OpenAIService, ServingConfig
+
+NAME = "org/tiny-v1"
+OK = {"model": NAME, "prompt": "x", "max_tokens": 2}
+
+
+@pytest.fixture
+def loaded(serve_artifact):
+    return fxllm.load(serve_artifact, threads=1)
+
+
+def ask(engine, requests: list[dict]) -> list[httpx.Response]:
+    """Serve `engine` as NAME and send the requests (httpx.Client.request keyword arguments) one after another; a
+    last valid completion must succeed (the app keeps serving after every error)."""
+
+    async def main() -> list[httpx.Response]:
+        service = OpenAIService(AsyncEngine(engine), ServingConfig((NAME,)))
+        transport = httpx.ASGITransport(app=create_app(lambda: service))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+                responses = [await client.request(**request) for request in requests]
+                assert (await client.post("/v1/completions", json=OK)).status_code == 200
+        finally:
+            await service.engine.shutdown(drain_timeout=0)
+        return responses
+
+    return asyncio.run(main())
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert "\n" not in body["error"]["message"] and "Traceback" not in body["error"]["message"]
+    return body["error"]
+
+
+def test_a_served_name_with_a_slash_is_retrieved(loaded):
+    """GET /v1/models/{model} takes the slash of `org/name` (openai's `models.retrieve("org/name")`): the card, and
+    an unknown name of that shape is the model's 404, not a missing route."""
+    found, unknown, slashed, listed = ask(loaded, [{"method": "GET", "url": f"/v1/models/{NAME}"},
+                                                   {"method": "GET", "url": "/v1/models/org/other"},
+                                                   {"method": "GET", "url": f"/v1/models/{NAME}/"},
+                                                   {"method": "GET", "url": "/v1/models/"}])
+    assert found.status_code == 200 and found.json()["id"] == NAME, found.text
+    assert unknown.status_code == 404 and error_of(unknown)["code"] == "model_not_found", unknown.text
+    # a trailing slash is still redirected away, as Starlette does for the other routes
+    assert (slashed.status_code, slashed.headers["location"]) == (307, f"http://test/v1/models/{NAME}")
+    assert (listed.status_code, listed.headers["location"]) == (307, "http://test/v1/models")
+
+
+@pytest.mark.parametrize("content, content_type, status, says", [
+    (b'{"model": "org/tiny-v1", "prompt": "x"}', "application/x-www-form-urlencoded", 415,  # `curl -d` without -H
+     "'Content-Type: application/json'; this one came as 'application/x-www-form-urlencoded'"),
+    (b'{"model": "org/tiny-v1", "prompt": "x"}', "text/plain", 415, "came as 'text/plain'"),
+    (b'{"model": "org/tiny-v1", "prompt": "x"}', None, 415, "came without a Content-Type"),  # FastAPI's CSRF guard
+    (b"[1, 2]", "application/json", 422, "the request body must be a JSON object, not an array"),
+    (b"null", "application/json", 422, "the request body must be a JSON object, not null"),
+    (b'"x"', "application/json", 422, "the request body must be a JSON object, not a string"),
+    (b'{"model": "org/tiny-v1", "prompt": "\xff"}', "application/json", 400, "not UTF-8 text (byte 36)"),
+    (b'{"model": "org/tiny-v1", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json", 400,
+     "nests arrays or objects too deeply"),
+    (b'{"model": "org/tiny-v1", "prompt": "x", "seed": ' + b"9" * 5000 + b"}", "application/json", 400,
+     "cannot be read as JSON: Exceeds the limit"),
+])
+def test_a_body_that_is_not_a_json_object_says_why(loaded, content, content_type, status, says):
+    headers = {"Content-Type": content_type} if content_type else {}
+    (response,) = ask(loaded, [{"method": "POST", "url": "/v1/completions", "content": content, "headers": headers}])
+    assert response.status_code == status, response.text
+    assert says in error_of(response)["message"], response.text
+
+
+@pytest.mark.parametrize("parts, status, param, says", [
+    ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}], 400,
+     "messages.0.content.1.type", "content part of type 'image_url'; this server takes text only"),
+    ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], 400, "messages.0.content.0.type",
+     "'input_audio'"),
+    ([{"type": "text"}], 422, "messages.0.content.0.text", "missing required parameter 'messages.0.content.0.text'"),
+    ([{"type": "text", "text": 5}], 422, "messages.0.content.0.text", "Input should be a valid string"),
+])
+def test_a_content_part_is_refused_by_what_is_wrong_with_it(loaded, parts, status, param, says):
+    """Not "content should be a valid string" (the schema's first union member) for a list of parts: the part at
+    fault, by its type or its field."""
+    (response,) = ask(loaded, [{"method": "POST", "url": "/v1/chat/completions",
+                                "json": {"model": NAME, "messages": [{"role": "user", "content": parts}]}}])
+    error = error_of(response)
+    assert (response.status_code, error["param"]) == (status, param), response.text
+    assert says in error["message"], response.text
+
+
+@pytest.mark.parametrize("prompt", [["a", ""], [[1, 2], []]])
+def test_an_empty_prompt_of_a_list_is_named(loaded, prompt):
+    (response,) = ask(loaded, [{"method": "POST", "url": "/v1/completions", "json": {**OK, "prompt": prompt}}])
+    assert response.status_code == 400 and error_of(response)["message"] == "prompt[1] is empty (no tokens)", \
+        response.text
+
+
+SHOWS_TOOLS = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% for call in m.tool_calls or [] %} -> "
+               "{{ call.function.name }}({{ call.function.arguments }}){% endfor %}"
+               "{% if m.tool_call_id %} [answers {{ m.tool_call_id }}]{% endif %}\n{% endfor %}assistant:")
+
+
+def test_tool_calls_in_the_history_reach_the_template(loaded):
+    """An agent's conversation replayed: the assistant's tool call and the id a tool result answers are given to the
+    chat template as sent (as the tokenizer renders the same conversation), not dropped as unknown fields."""
+    loaded.tokenizer.chat_template = SHOWS_TOOLS
+    conversation = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "18 C, sunny"},
+    ]
+    expected = loaded.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    assert "weather(" in expected and "answers call_7" in expected
+    (response,) = ask(loaded, [{"method": "POST", "url": "/v1/chat/completions",
+                                "json": {"model": NAME, "messages": conversation, "max_tokens": 1}}])
+    assert response.status_code == 200, response.text
+    prompt_tokens = len(loaded.tokenizer.encode(expected, add_special_tokens=False))
+    assert response.json()["usage"]["prompt_tokens"] == prompt_tokens
+
+
+def test_chat_template_kwargs_reach_the_template(loaded):
+    """vLLM's `chat_template_kwargs` (`enable_thinking` and the like) are variables of the template, not an ignored
+    field; names the renderer sets itself, and a template of the client's own, are refused naming the field."""
+    loaded.tokenizer.chat_template = ("{% if not enable_thinking %}/no_think {% endif %}{% for m in messages %}"
+                                      "{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = {"model": NAME, "messages": messages, "max_tokens": 1}
+    thinking, refused, picked = ask(loaded, [
+        {"method": "POST", "url": "/v1/chat/completions",
+         "json": {**chat, "chat_template_kwargs": {"enable_thinking": True}}},
+        {"method": "POST", "url": "/v1/chat/completions", "json": {**chat, "chat_template_kwargs": {"messages": []}}},
+        {"method": "POST", "url": "/v1/chat/completions",
+         "json": {**chat, "chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}}])
+    expected = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True)
+    assert not expected.startswith("/no_think")
+    assert thinking.status_code == 200, thinking.text
+    assert thinking.json()["usage"]["prompt_tokens"] == len(loaded.tokenizer.encode(expected, add_special_tokens=False))
+    for response, name in ((refused, "messages"), (picked, "chat_template")):
+        error = error_of(response)
+        assert (response.status_code, error["param"]) == (400, "chat_template_kwargs"), response.text
+        assert error["message"] == f"chat_template_kwargs cannot set {name}"
+
+
+@pytest.mark.parametrize("field, value, default", [
+    ("guided_json", {"type": "object"}, None), ("guided_choice", ["yes", "no"], None),
+    ("structured_outputs", {"regex": "a+"}, None), ("min_p", 0.1, 0.0), ("repetition_penalty", 1.2, 1),
+    ("min_tokens", 4, 0), ("stop_token_ids", [2], []), ("skip_special_tokens", False, True),
+    ("include_stop_str_in_output", True, False),
+])
+def test_a_vllm_extension_fxllm_lacks_is_refused_unless_at_its_default(loaded, field, value, default):
+    """A vLLM client's `guided_json` (or min_p, ...) is not silently ignored: a 400 naming it, on both endpoints;
+    its default (or null) changes nothing and is accepted."""
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    refused = ask(loaded, [{"method": "POST", "url": "/v1/completions", "json": {**OK, field: value}},
+                           {"method": "POST", "url": "/v1/chat/completions", "json": {**chat, field: value}},
+                           {"method": "POST", "url": "/v1/completions", "json": {**OK, field: default}}])
+    for response in refused[:2]:
+        error = error_of(response)
+        assert (response.status_code, error["param"]) == (400, field), response.text
+        assert error["message"] == f"{field} (a vLLM extension) is not supported by fxllm"
+    assert refused[2].status_code == 200, refused[2].text
+
+
+def test_a_conversation_too_long_for_the_context_names_messages(loaded):
+    """The engine refuses the rendered conversation as its `prompt`; a chat request has no such field, so the
+    error's param is `messages` (what the client has to shorten)."""
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hello " * 300}]}
+    (response,) = ask(loaded, [{"method": "POST", "url": "/v1/chat/completions", "json": chat}])
+    error = error_of(response)
+    assert (response.status_code, error["param"]) == (400, "messages"), response.text
+    assert "context is 256 tokens" in error["message"]
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"model": NAME, "prompt": [True] * 100_000}, "prompt.0"),
+    ("/v1/completions", {"model": NAME, "prompt": [[1, 2]] * 10 + [[True]] * 100_000}, "prompt.10.0"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop": [1] * 100_000}, "stop.0"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard"}] * 100_000}, "messages.0.role"),
+])
+def test_a_long_list_of_wrong_types_is_one_error(loaded, route, body, param):
+    """Validation stops at a list's first bad item: pydantic made an error for every item (three per item of a
+    prompt, one for each member of its union), 2 million for a 4 MiB body, which took ~20 s on the event loop (every
+    stream stalled) and ~600 MB. Counted here by the problems the message reports, not by time."""
+    (response,) = ask(loaded, [{"method": "POST", "url": route, "json": body}])
+    error = error_of(response)
+    assert (response.status_code, error["param"]) == (422, param), response.text
+    more = error["message"].partition(" (and ")[2].split(" ")[0]
+    assert int(more or 0) <= 3, error["message"]
