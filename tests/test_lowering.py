@@ -85,3 +85,51 @@ def test_type_promotion_is_skipped_only_where_the_exporter_would_insert_nothing(
         assert needs_type_promotion(module) is expected
         _fx_passes.insert_type_promotion_nodes(module)
         assert (before != [(n.op, n.target, n.args) for n in module.graph.nodes]) is expected
+
+
+def test_no_op_elimination_keeps_constants_that_are_only_close_to_0_or_1():
+    """The optimizer drops x + 0, x * 1, x - 0, x / 1 only for exact constants: onnxscript's own rules took
+    |c| <= 1e-8 for 0 and 1 ± 1e-5 for 1, and removed an RMSNorm's `+ 1e-8` epsilon (see the test below)."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    from fxllm.compiler.targets.onnx_export import optimize_graph
+
+    def scalar(name: str, value: float):
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.FLOAT, [], [value]))
+
+    constants = {"eps": 1e-8, "near_one": 1.000001, "zero": 0.0, "one": 1.0}
+    nodes = [scalar(name, value) for name, value in constants.items()]
+    nodes += [helper.make_node("Add", ["x", "eps"], ["a"]), helper.make_node("Mul", ["near_one", "a"], ["b"]),
+              helper.make_node("Sub", ["b", "zero"], ["c"]), helper.make_node("Div", ["c", "one"], ["d"]),
+              helper.make_node("Add", ["zero", "d"], ["e"]), helper.make_node("Mul", ["e", "one"], ["y"])]
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "g", [value("x", TensorProto.FLOAT, [2])], [value("y", TensorProto.FLOAT, [2])])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+    optimize_graph(model)
+    kept = [(node.op_type, [float(v.const_value.numpy()) for v in node.inputs if v.const_value is not None])
+            for node in model.graph]
+    assert kept == [("Add", [np.float32(1e-8)]), ("Mul", [np.float32(1.000001)])], kept
+
+
+def test_an_rms_norm_epsilon_of_1e_8_survives_lowering(tokenizer, tmp_path):
+    """Helium-like RMSNorm epsilon 1e-8: the padding token's embedding row is all zeros, so a batched (left-padded)
+    call normalized 0 / sqrt(0) once the epsilon was optimized away, and every batched generation failed with
+    non-finite logits. Batched now equals one prompt at a time and transformers."""
+    import torch
+    import transformers
+
+    import fxllm
+
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=1, intermediate_size=96, max_position_embeddings=128,
+                                      rms_norm_eps=1e-8, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    fxllm.compile(tmp_path / "model", tmp_path / "artifact")
+    engine = fxllm.load(tmp_path / "artifact")
+    engine.eos_token_ids = set()
+    single = [engine.generate(prompt, max_new_tokens=4).token_ids for prompt in PROMPTS[:2]]
+    assert [result.token_ids for result in engine.generate(PROMPTS[:2], max_new_tokens=4)] == single

@@ -106,20 +106,62 @@ def optimize_graph(model: ir.Model) -> None:
     import onnxscript.rewriter.onnx_fusions
     from onnxscript import rewriter
     from onnxscript.optimizer import _constant_folding
-    from onnxscript.rewriter.rules.common import _no_op
 
     def fold():
         return _constant_folding.FoldConstantsPass(
             shape_inference=True, input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
             output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT, should_fold=lambda node: None)
 
-    for step in (common.InlinePass(), fold(), rewriter.RewritePass(_no_op.rules), common.RemoveUnusedNodesPass(),
+    for step in (common.InlinePass(), fold(), rewriter.RewritePass(exact_no_op_rules()), common.RemoveUnusedNodesPass(),
                  fold(), common.RemoveUnusedNodesPass(), common.LiftConstantsToInitializersPass(
                      lift_all_constants=True, size_limit=0), common.DeduplicateInitializersPass(),
                  common.CommonSubexpressionEliminationPass(), common.OutputFixPass(), common.NameFixPass()):
         step(model)
     onnxscript.rewriter.onnx_fusions.fuse(model)
     common.RemoveUnusedNodesPass()(model)
+
+
+def exact_no_op_rules():
+    """onnxscript's no-op eliminations (x + 0, x - 0, x * 1, x / 1, inference Dropout) matched only where the
+    constant is exactly 0 or 1. onnxscript's own rules accept a constant within a tolerance (|c| <= 1e-8 counts as
+    0, 1 ± 1e-5 as 1): they removed the `+ 1e-8` of an RMSNorm whose epsilon is 1e-8, so an all-zero row (a
+    padding token's embedding) normalized to 0/0 and every batched call produced NaN."""
+    from onnxscript.rewriter import RewriteRule, RewriteRuleSet
+    from onnxscript.rewriter.rules.common import _no_op
+
+    def add(op, x, c):
+        return op.Add(x, c)
+
+    def sub(op, x, c):
+        return op.Sub(x, c)
+
+    def mul(op, x, c):
+        return op.Mul(x, c)
+
+    def div(op, x, c):
+        return op.Div(x, c)
+
+    def identity(op, x, **_):
+        return op.Identity(x)
+
+    def exactly(value: float):
+        def condition(context, x, c, **_) -> bool:
+            return _is_scalar_constant(c, value)
+        return condition
+
+    rules = [RewriteRule(pattern, identity, exactly(value)) for pattern, value in ((add, 0.0), (mul, 1.0))]
+    rules = [commuted for rule in rules for commuted in rule.commute()]
+    rules += [RewriteRule(sub, identity, exactly(0.0)), RewriteRule(div, identity, exactly(1.0)),
+              _no_op.dropout_zero_rule, _no_op.dropout_inference_rule]
+    return RewriteRuleSet(rules)
+
+
+def _is_scalar_constant(value: ir.Value, expected: float) -> bool:
+    """Whether `value` is a constant scalar (rank 0, as onnxscript's rules require) equal to `expected` exactly."""
+    from onnxscript.rewriter import _ir_utils
+
+    array = _ir_utils.get_numpy_value(value)
+    return array is not None and array.ndim == 0 and array.item() == expected
 
 
 def align_norm_types(model: ir.Model) -> int:
