@@ -112,6 +112,55 @@ def attention_routed(model: torch.nn.Module) -> Iterator[None]:
             functional.scaled_dot_product_attention = saved
 
 
+@contextmanager
+def rope_fixed_within_context(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: rotary embeddings whose frequencies transformers recomputes from each call's positions (dynamic NTK
+    scaling; LongRoPE) keep the ones they were built with, which is exact within the artifact's context.
+
+    The artifact's context is max_position_embeddings (spec.max_positions, which the runtime enforces). Dynamic
+    scaling only changes its frequencies past max_position_embeddings, so never there. LongRoPE switches to its
+    long factors past original_max_position_embeddings: exact only when that is the whole context; otherwise its
+    frequencies depend on the largest position of each call (of the batch, of the prefill chunk), which fxllm
+    cannot express, and it is refused naming the feature. Left as they are, both fail inside torch.export
+    (a data-dependent branch; an in-place buffer update) with messages that do not name the model's feature."""
+    context = getattr(text_config_of(model.config), "max_position_embeddings", None)
+    saved = []
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        if isinstance(rope_type, dict):
+            fixed = {layer: _fixed_rope_type(module, kind, context, layer) for layer, kind in rope_type.items()}
+        elif isinstance(rope_type, str):
+            fixed = _fixed_rope_type(module, rope_type, context)
+        else:
+            continue
+        if fixed != rope_type:
+            saved.append((module, rope_type))
+            module.rope_type = fixed
+    try:
+        yield
+    finally:
+        for module, rope_type in saved:
+            module.rope_type = rope_type
+
+
+def _fixed_rope_type(module: torch.nn.Module, rope_type: str, context: int | None, layer: str | None = None) -> str:
+    """A rope type under which transformers' rotary forward keeps its initial frequencies, where that is exact
+    for positions below `context`; `rope_type` itself when the forward never recomputes them."""
+    if "dynamic" in rope_type:
+        return "default"
+    if rope_type != "longrope":
+        return rope_type
+    parameters = getattr(module.config, "rope_parameters", None) or {}
+    parameters = parameters.get(layer, {}) if layer is not None else parameters
+    original = parameters.get("original_max_position_embeddings") or getattr(
+        module.config, "original_max_position_embeddings", None)
+    if original and context and context <= original:
+        return "default"
+    raise UnsupportedModelError(
+        f"LongRoPE scaling switches to its long factors past position {original}, inside the context of {context} "
+        "positions: its frequencies depend on the longest position of each call, which fxllm cannot express")
+
+
 def spec_from_config(config, architecture: str, kv_heads: int | None = None) -> ModelSpec:
     """The model spec from the config; `kv_heads` as the captured attention reads them (configs of MHA models
     often have no KV-head field, and some state a count the attention does not use)."""
@@ -175,7 +224,7 @@ def capture(model: torch.nn.Module) -> Capture:
     batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens")
     dynamic = ({0: batch, 1: tokens}, {0: batch, 1: tokens})
     try:
-        with torch.no_grad(), attention_routed(model):
+        with torch.no_grad(), attention_routed(model), rope_fixed_within_context(model):
             exported = torch.export.export(
                 LogitsForward(model), sample_inputs(vocab=vocab_size), dynamic_shapes=dynamic, strict=False
             )

@@ -77,6 +77,7 @@ def _regroup(program: Program, attention_nodes, kv_heads: int) -> None:
                 raise UnsupportedModelError(
                     f"gqa: cannot find the linear projection that produces '{arg.name}' for attention '{node.name}'"
                 )
+            _check_head_features(found, arg, node, spec.num_kv_heads * spec.head_dim)
             slices.append(found)
     pool = _pooling_matrix(spec.num_heads, spec.num_kv_heads, kv_heads)
     rewrite_projection_slices(program, slices, lambda rows: _pool_rows(rows, pool, spec.head_dim))
@@ -85,6 +86,19 @@ def _regroup(program: Program, attention_nodes, kv_heads: int) -> None:
     if spec.source_num_kv_heads is None:
         spec.source_num_kv_heads = spec.num_kv_heads
     spec.num_kv_heads = kv_heads
+
+
+def _check_head_features(found: ProjectionSlice, arg, attention, expected: int) -> None:
+    """The traced output features must be exactly the KV heads' (heads × head_dim, head-major), the rows the pooling
+    regroups. A fused projection laid out per head (GPT-NeoX's q|k|v within each head; Falcon's heads) or cut by
+    slicing (Phi-3's qkv) traces back to all its features instead: regrouping those failed with a reshape error
+    deep in the pass."""
+    features = found.stop - found.start
+    if features != expected:
+        raise UnsupportedModelError(
+            f"gqa: cannot regroup KV heads: '{arg.name}' of attention '{attention.name}' traces back to "
+            f"{features} output features of projection '{found.projection.name}', not the {expected} of its KV "
+            "heads (a fused projection laid out per head or cut by slicing); compile without kv_heads")
 
 
 def _pooling_matrix(query_heads: int, kv_heads: int, new_kv_heads: int) -> torch.Tensor:

@@ -365,3 +365,67 @@ def test_readme_architecture_table_is_the_matrix():
     script = Path(__file__).resolve().parents[1] / "scripts" / "architecture_table.py"
     result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+DYNAMIC = dict(rope_type="dynamic", factor=2.0)
+ROPE_PER_CALL = {
+    "dynamic NTK": ("LlamaConfig", dict(**GQA, intermediate_size=96, rope_scaling=DYNAMIC)),
+    "dynamic NTK on full layers only": ("Gemma3TextConfig", dict(**GQA, intermediate_size=96, head_dim=16,
+                                                                 sliding_window=WINDOW, sliding_window_pattern=2,
+                                                                 rope_scaling=DYNAMIC)),
+    "LongRoPE within its original context": ("Phi3Config", dict(
+        **GQA, intermediate_size=96, original_max_position_embeddings=COMMON["max_position_embeddings"],
+        rope_scaling=dict(rope_type="longrope", long_factor=[1 + 0.1 * i for i in range(8)],
+                          short_factor=[1 + 0.05 * i for i in range(8)]))),
+}
+
+
+def _tiny_model(config_class: str, fields: dict, directory: Path, tokenizer) -> Path:
+    import transformers
+
+    config = getattr(transformers, config_class)(**{**COMMON, **fields})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("variant", list(ROPE_PER_CALL))
+def test_rope_recomputed_per_call_is_exact_within_the_context(variant, tokenizer, tmp_path):
+    """transformers recomputes dynamic-NTK frequencies only past max_position_embeddings and LongRoPE's past
+    original_max_position_embeddings; within the artifact's context both keep their initial frequencies. Their
+    data-dependent update failed torch.export ('Could not guard on data-dependent expression'; 'op aten.detach_')."""
+    directory = _tiny_model(*ROPE_PER_CALL[variant], tmp_path / "model", tokenizer)
+    expected = transformers_tokens(directory, tokenizer, PROMPTS[:2])
+    fxllm.compile(directory, tmp_path / "ort")
+    single, batched = engine_tokens(tmp_path / "ort", PROMPTS[:2])
+    assert single == expected and batched == expected
+
+
+def test_longrope_switching_inside_the_context_is_refused_by_name(tokenizer, tmp_path, capsys):
+    """LongRoPE whose long factors start inside the context picks its frequencies from each call's largest
+    position, which an artifact cannot reproduce: one line naming it (it said 'op aten.detach_.default ... is not
+    understood'), nothing written."""
+    directory = _tiny_model("Phi3Config", dict(**GQA, intermediate_size=96, original_max_position_embeddings=64,
+                                               rope_scaling=dict(rope_type="longrope", long_factor=[2.0] * 8,
+                                                                 short_factor=[1.0] * 8)),
+                            tmp_path / "model", tokenizer)
+    capsys.readouterr()
+    assert main(["compile", str(directory), "-o", str(tmp_path / "out")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "LongRoPE" in lines[0] and "past position 64" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gpt_neox"])
+def test_kv_heads_on_a_fused_projection_it_cannot_regroup_is_refused(arch, tokenizer, tmp_path, capsys):
+    """--kv-heads where K/V come out of a fused projection laid out per head (GPT-NeoX) or cut by slicing
+    (Phi-3): the pass traced K back to the whole fused weight and failed with "shape '[4, 16, 64]' is invalid for
+    input of size 12288". Now one line saying why, nothing written."""
+    directory = build_model(arch, tmp_path / arch, tokenizer)
+    capsys.readouterr()
+    assert main(["compile", str(directory), "-o", str(tmp_path / "out"), "--kv-heads", "1"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "cannot regroup KV heads" in lines[0] and "compile without kv_heads" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == [arch]
