@@ -7,7 +7,7 @@ import functools
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -316,6 +316,29 @@ def _check_loaded(source: ModelSource, info: dict[str, Any]) -> None:
                                f"{list(expected)} by the config's sizes)")
 
 
+def _check_no_extra_blocks(source: ModelSource, info: dict[str, Any], expected: Iterable[str]) -> None:
+    """Refuse a file that holds more of the model's repeated blocks than its config builds: a weight transformers
+    did not load whose name, with its indices generalized, names a weight the model has (model.layers.2.mlp... in
+    a file whose config says 2 layers). transformers drops those silently, and the compiled model would be a cut
+    of the checkpoint. Other unused entries (a vision tower, old rotary buffers) are left alone."""
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if not unexpected:
+        return
+    shapes = {_generalized(name) for name in expected}
+    extra = [name for name in unexpected if _generalized(name) in shapes]
+    if extra:
+        where = _gguf_path(source) if source.gguf_file else source.directory
+        config = "GGUF header" if source.gguf_file else "config.json"
+        weights = f"{len(extra)} weight{'s' if len(extra) > 1 else ''}"
+        raise ModelSourceError(f"'{where}' holds {weights} its {config} has no place for (e.g. {extra[0]}): the "
+                               "file is a larger model than the config describes")
+
+
+def _generalized(name: str) -> str:
+    """A weight name with every block index replaced by '*' (model.layers.3.mlp → model.layers.*.mlp)."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
 @sharing_gguf_readers
 def load_model(source: ModelSource, attn_implementation: str | None = None):
     """Load the float model in eval mode; GGUF weights are dequantized to float32 by transformers. The attention
@@ -352,5 +375,6 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
         raise ModelSourceError(f"cannot load model weights from '{source.directory}': {exc}") from exc
     model, info = model
     _check_loaded(source, info)
+    _check_no_extra_blocks(source, info, model.state_dict().keys())
     check_capabilities(model.config, type(model).__name__)
     return model.eval()

@@ -160,3 +160,30 @@ def test_a_gguf_header_contradicting_its_weights_is_named(tiny_hf, tmp_path):
     with pytest.raises(ModelSourceError, match=r"m\.gguf' does not match its GGUF header: \d+ weights have another "
                                                r"shape"):
         load_model(resolve_source(path))
+
+
+def test_a_file_holding_more_layers_than_its_config_is_refused(tiny_hf, tmp_path):
+    """A config that says fewer layers than the file holds (or a stray weight of a layer it lacks): transformers
+    drops the extra weights without an error, and the compile produced a cut of the checkpoint. Refused in one line;
+    an unused entry that is no weight of the model's kind (old per-layer rotary buffers) is still accepted."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from fxllm.compiler.sources import load_model
+
+    config = json.loads((tiny_hf / "config.json").read_text())
+    fewer = edited_copy(tiny_hf, tmp_path / "fewer", config=_config(num_hidden_layers=config["num_hidden_layers"] - 1))
+    with pytest.raises(ModelSourceError, match=r"fewer' holds \d+ weights its config\.json has no place for \(e\.g\. "
+                                               r"model\.layers\.1\..*\): the file is a larger model"):
+        load_model(resolve_source(fewer))
+    stray = edited_copy(tiny_hf, tmp_path / "stray")
+    weights = load_file(stray / "model.safetensors")
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = weights["model.norm.weight"][:4].clone()
+    save_file(weights, stray / "model.safetensors", metadata={"format": "pt"})
+    load_model(resolve_source(stray))
+    weights["model.layers.7.mlp.up_proj.weight"] = weights["model.layers.0.mlp.up_proj.weight"].clone()
+    save_file(weights, stray / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelSourceError, match=r"holds 1 weight its config\.json has no place for \(e\.g\. "
+                                               r"model\.layers\.7\.mlp\.up_proj\.weight\)"):
+        load_model(resolve_source(stray))
