@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fxllm.errors import InvalidArgumentError
+from fxllm.errors import ArtifactError, InvalidArgumentError
 from fxllm.runtime.backend_ort import default_providers
 
 from fxllm.runtime.kv_cache import ContiguousKVCache
-from fxllm.runtime.manifest import load_manifest
+from fxllm.runtime.manifest import Manifest, load_manifest
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import SamplingParams
 from fxllm.runtime.speculative import NgramProposer, one_hot_probs, processed_probs, sample
@@ -81,12 +81,15 @@ class Drafter:
         self._caches.pop(seq_id, None)
 
 
-def load_draft_model(directory: Path, k: int, unrolled: bool | None, **options) -> Engine | UnrolledDraft:
-    """The draft artifact at `directory`: its unrolled k-step graph, or an Engine of its own (Engine.load's
-    unrolled_draft and int8_activations say which; `options` are Engine.load's)."""
+def load_draft_model(directory: Path, k: int, unrolled: bool | None, vocab_size: int,
+                     **options) -> Engine | UnrolledDraft:
+    """The draft artifact at `directory` for a target of `vocab_size` token ids: its unrolled k-step graph, or an
+    Engine of its own (Engine.load's unrolled_draft and int8_activations say which; `options` are Engine.load's).
+    A draft the speculator cannot run is an ArtifactError here, before its model loads (check_draft)."""
     from fxllm.runtime.engine import Engine
 
     manifest = load_manifest(directory, verify=options["verify"])
+    check_draft(manifest, vocab_size)
     int8 = options["int8_activations"]
     if unrolled is None:
         unrolled = "CUDAExecutionProvider" in (options["providers"] or default_providers()) and not int8
@@ -103,6 +106,21 @@ def load_draft_model(directory: Path, k: int, unrolled: bool | None, **options) 
                                        "unrolled graph's shared int4 weights")
         return UnrolledDraft.load(manifest, options["threads"], options["providers"], int8)
     return Engine.load(directory, spin=False, **options)
+
+
+def check_draft(manifest: Manifest, vocab_size: int) -> None:
+    """A draft artifact the Drafter can run for this target: a contiguous KV cache (it keeps one private cache per
+    sequence) and the target's token ids (it is fed the target's tokens, and its proposals and their distributions
+    are verified against the target's). The compiler only writes such drafts; a draft directory swapped for another
+    artifact loaded, then failed every generation inside ONNX Runtime."""
+    directory = manifest.directory
+    if manifest.io.paged:
+        raise ArtifactError(f"the speculative draft '{directory}' has a paged KV cache; a draft must be compiled "
+                            "without the `paged` pass (recompile the artifact with --draft)")
+    if manifest.spec.vocab_size != vocab_size:
+        raise ArtifactError(f"the speculative draft '{directory}' has {manifest.spec.vocab_size} token ids and the "
+                            f"target {vocab_size}; a draft must share the target's vocabulary (recompile the "
+                            "artifact with --draft)")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

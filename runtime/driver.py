@@ -56,8 +56,11 @@ class CoreDriver:
                 raise GenerationError("the engine is shutting down and accepts no new requests")
             ids = [request.request_id for request in made]
             taken = next((i for i in ids if i in self._sinks), None)
-            if taken is not None or len(set(ids)) != len(ids):
-                raise GenerationError(f"request id {taken or ids[0]!r:.60} is already in use by an unfinished request")
+            if taken is not None:
+                raise GenerationError(f"request id {taken!r:.60} is already in use by an unfinished request")
+            repeated = _first_repeated(ids)
+            if repeated is not None:
+                raise GenerationError(f"request id {repeated!r:.60} is given to more than one request of the batch")
             for request, sink in zip(made, sinks):
                 self._sinks[request.request_id] = sink
                 self._pending.append(request)
@@ -214,3 +217,13 @@ class CoreDriver:
                 self._step_lock.release()
                 with self._released:
                     self._released.notify_all()
+
+
+def _first_repeated(ids: list[str]) -> str | None:
+    """The first id that occurs a second time in `ids`, or None."""
+    seen: set[str] = set()
+    for request_id in ids:
+        if request_id in seen:
+            return request_id
+        seen.add(request_id)
+    return None

@@ -127,8 +127,8 @@ class Engine:
             if plan.draft is not None:
                 from fxllm.runtime.drafter import load_draft_model
 
-                draft = load_draft_model(plan.draft, k, unrolled_draft, threads=threads, providers=providers,
-                                         verify=verify, int8_activations=int8_activations)
+                draft = load_draft_model(plan.draft, k, unrolled_draft, manifest.spec.vocab_size, threads=threads,
+                                         providers=providers, verify=verify, int8_activations=int8_activations)
             draft_plan = (plan.mode, k, draft)
         return cls(manifest.directory, manifest, runner, tokenizer, kv_cache_memory, kv_blocks, max_batch,
                    max_tokens_per_step, prefix_caching, draft_plan)
@@ -193,7 +193,8 @@ class Engine:
         """Generate for one prompt (returns one result) or a list of prompts of any lengths (returns a list)."""
         texts, single = check_prompts(prompts)
         request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
-        results = self._run([self.encode(t, request.chat) for t in texts], request, texts)
+        results = self._run([self.encode(t, request.chat) for t in texts], request, texts,
+                            None if single else "prompts")
         return results[0] if single else results
 
     def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
@@ -202,15 +203,22 @@ class Engine:
         """Like generate, from token ids (ints in [0, vocab_size)). The requests join whatever else the engine is
         running."""
         request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
-        return self._run(check_prompt_ids(prompt_ids, self.spec.vocab_size), request, prompts)
+        return self._run(check_prompt_ids(prompt_ids, self.spec.vocab_size), request, prompts, "prompt_ids")
 
-    def _run(self, rows: list[list[int]], request: GenerationRequest,
-             prompts: list[str] | None) -> list[GenerationResult]:
+    def _run(self, rows: list[list[int]], request: GenerationRequest, prompts: list[str] | None,
+             batch: str | None) -> list[GenerationResult]:
+        """Run the rows to completion; nothing runs unless every row is accepted. `batch`: the argument the rows
+        came in as a list ("prompts", "prompt_ids"), whose index a refusal names; None for a single prompt."""
         results = [GenerationResult(prompts[i] if prompts else None, ids) for i, ids in enumerate(rows)]
         request_ids = [_new_request_id() for _ in rows]
         done = []
-        self.driver.submit([(rid, ids, self._capped(request, ids)) for rid, ids in zip(request_ids, rows)],
-                           [collector(result, request.max_new_tokens, self.max_context, done) for result in results])
+        params = [self._capped(request, ids) for ids in rows]
+        try:
+            self.driver.submit(list(zip(request_ids, rows, params)),
+                               [collector(result, request.max_new_tokens, self.max_context, done)
+                                for result in results])
+        except InvalidArgumentError as exc:
+            raise self._refused_row(exc, rows, params, batch) from None
         try:
             self.driver.step_until(lambda: len(done) == len(rows))
         finally:
@@ -219,6 +227,19 @@ class Engine:
                     self.driver.abort(request_id, notify=False)
         raise_failure(done)
         return results
+
+    def _refused_row(self, exc: InvalidArgumentError, rows: list[list[int]], params: list[SamplingParams],
+                     batch: str | None) -> InvalidArgumentError:
+        """A batch's refusal naming the row it is about ("prompts[2]: the prompt is 301 tokens ..."): the core checks
+        each row alone and says "the prompt", which of a CLI's three --prompt flags leaves unsaid."""
+        if batch is None:
+            return exc
+        for i, (ids, row_params) in enumerate(zip(rows, params)):
+            try:
+                self.core.check(ids, row_params)
+            except InvalidArgumentError as row_exc:
+                return InvalidArgumentError(row_exc.param, f"{batch}[{i}]: {row_exc}")
+        return exc
 
     def stream(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,

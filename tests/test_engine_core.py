@@ -199,6 +199,16 @@ def test_thirty_two_coroutines_on_the_async_engine(paged_artifact, alone):
     assert_pool_whole(engine)
 
 
+def test_a_batch_that_repeats_a_request_id_names_that_id(paged_artifact):
+    """A batch submitted with one id twice is refused whole, naming the repeated id (it named the batch's first id,
+    as "already in use by an unfinished request", which it was not)."""
+    engine = fxllm.load(paged_artifact, kv_blocks=48)
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(GenerationError, match="^request id 'b' is given to more than one request of the batch$"):
+        engine.driver.submit([("a", [5], params), ("b", [6], params), ("b", [7], params)], [print] * 3)
+    assert not engine.driver.has_work() and engine.stats().waiting == 0
+
+
 def test_bad_input_is_refused_at_once_and_the_core_keeps_running(paged_artifact, alone, caplog):
     ids, expected = alone
     engine = fxllm.load(paged_artifact, kv_blocks=48)

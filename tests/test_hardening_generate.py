@@ -186,6 +186,24 @@ def test_bad_prompts_are_refused(engines, prompts):
     assert getattr(caught.value, "param", None) in ("prompt", "prompts")
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_a_refused_prompt_of_a_batch_is_named(engines, kind, contiguous):
+    """Each prompt of a batch is checked alone ("the prompt is 301 tokens"): the refusal names which one, in the
+    Python API and on the command line (three --prompt flags), and nothing of the batch runs."""
+    engine = engines[kind]
+    finished = engine.stats().requests_finished
+    with pytest.raises(FxllmError, match=r"^prompts\[1\]: the prompt is 301 tokens") as caught:
+        engine.generate(["hi", "hi " * 300, "yo"], max_new_tokens=2)
+    assert caught.value.param == "prompt"
+    with pytest.raises(FxllmError, match=r"^prompt_ids\[2\]: the prompt is empty after tokenization"):
+        engine.generate_ids([[5], [6], []], max_new_tokens=2)
+    with pytest.raises(FxllmError, match=r"^the prompt is 301 tokens"):  # a single prompt: no index
+        engine.generate("hi " * 300, max_new_tokens=2)
+    assert engine.stats().requests_finished == finished
+    assert_one_line_error(*cli("generate", str(contiguous), "--prompt", "x", "--prompt", "", "--prompt", "y")[::2],
+                          "fxllm: error: prompts[1]: the prompt is empty after tokenization")
+
+
 def test_stream_checks_its_arguments_when_called(engines):
     """stream() raises at the call, not at the first next(): a server can answer the error before streaming."""
     with pytest.raises(FxllmError, match="seed"):

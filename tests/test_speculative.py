@@ -86,3 +86,39 @@ def test_spec_k_override_is_checked(make_tiny_model, tmp_path):
     assert fxllm.load(artifact, spec_k=6).speculator.k == 6
     with pytest.raises(FxllmError, match="spec_k must be between 1 and 16"):
         fxllm.load(artifact, spec_k=17)
+
+
+def test_a_draft_the_speculator_cannot_run_is_refused_at_load(make_tiny_model, tokenizer, tiny_paged_artifact,
+                                                              tmp_path):
+    """A draft directory swapped for another artifact (checksums rewritten) loaded, then failed every generation
+    inside ONNX Runtime: one of another vocabulary, or a paged one. Both are refused when the artifact loads."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from fxllm.errors import ArtifactError
+    from fxllm.runtime.artifact import write_manifest
+    from fxllm.runtime.contract import MANIFEST_FILE
+
+    artifact = tmp_path / "artifact"
+    fxllm.compile(make_tiny_model("llama"), artifact, draft="self-layers:1", spec_k=2)
+    bigger_vocab, config = tmp_path / "bigger-vocab", tiny_config("llama")
+    config.vocab_size += 64
+    AutoModelForCausalLM.from_config(config).save_pretrained(bigger_vocab)
+    tokenizer.save_pretrained(bigger_vocab)
+    other_vocab = tmp_path / "other-vocab"
+    fxllm.compile(bigger_vocab, other_vocab)
+
+    def swap_draft(draft) -> None:
+        shutil.rmtree(artifact / "draft")
+        shutil.copytree(draft, artifact / "draft")
+        manifest = json.loads((artifact / MANIFEST_FILE).read_text())
+        write_manifest(artifact, {k: v for k, v in manifest.items() if k not in ("files", "format_version")})
+
+    swap_draft(other_vocab)
+    with pytest.raises(ArtifactError, match="has 49216 token ids and the target 49152"):
+        fxllm.load(artifact)
+    swap_draft(tiny_paged_artifact)
+    with pytest.raises(ArtifactError, match="has a paged KV cache"):
+        fxllm.load(artifact)
