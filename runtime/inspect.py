@@ -36,7 +36,7 @@ def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
         "artifact": str(path),
         "format_version": manifest["format_version"],
         "fxllm_version": manifest["fxllm_version"],
-        "source": manifest["source"],
+        "source": manifest.get("source", {"name": "(not recorded)"}),
         "target": manifest["target"],
         "architecture": spec["architecture"],
         "spec": spec,

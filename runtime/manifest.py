@@ -115,6 +115,7 @@ def parse_manifest(data: Any, directory: Path) -> Manifest:
     if ("paged" in facts) != io.paged:
         fields_.fail("facts", f"says {'' if 'paged' in facts else 'not '}paged, but the I/O is a {io.cache} cache")
     _passes(fields_.typed("passes", list), fields_)
+    _records(data, fields_)
     _tensorrt(data.get("tensorrt"), fields_)
     runtime = fields_.typed("runtime", dict, default={})
     int8 = runtime.get("int8_activations", False)
@@ -216,12 +217,28 @@ def _io(data: dict[str, Any], spec: ModelSpec, fields_: _Fields) -> ModelIO:
     return io
 
 
+DRIFT_FIELDS = ("max_abs_logit", "mean_kl", "greedy_agreement")  # what the compiler records of each pass's drift
+
+
 def _passes(records: list[Any], fields_: _Fields) -> None:
     for record in records:
         if not (isinstance(record, dict) and isinstance(record.get("name"), str)
                 and isinstance(record.get("options"), dict) and _is_number(record.get("seconds"))
-                and isinstance(record.get("drift"), dict) and all(_is_number(v) for v in record["drift"].values())):
+                and isinstance(record.get("drift"), dict) and all(_is_number(v) for v in record["drift"].values())
+                and all(key in record["drift"] for key in DRIFT_FIELDS)):
             fields_.fail("passes", f"holds {str(record)[:80]}, not a pass record")
+
+
+def _records(data: dict[str, Any], fields_: _Fields) -> None:
+    """The compile's records that only `fxllm inspect` reads, each optional: `source` {"name": str, ...} and
+    `compile_seconds` {phase: seconds}. Checked like every field, so that inspecting an edited manifest is an
+    ArtifactError, not a crash while it is printed."""
+    source = data.get("source")
+    if "source" in data and not (isinstance(source, dict) and isinstance(source.get("name"), str)):
+        fields_.fail("source", "must be {\"name\": the model compiled, ...}")
+    seconds = data.get("compile_seconds")
+    if "compile_seconds" in data and not (isinstance(seconds, dict) and all(_is_number(v) for v in seconds.values())):
+        fields_.fail("compile_seconds", "must map each compile phase to its seconds")
 
 
 def _tensorrt(data: Any, fields_: _Fields) -> None:

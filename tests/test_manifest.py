@@ -125,6 +125,33 @@ def test_wrong_fields_are_artifact_errors(artifact, path, value, message):
         fxllm.load(artifact, verify=False)
 
 
+@pytest.mark.parametrize("path, value, message", [
+    (("source",), None, "'source' must be {\"name\""),
+    (("source",), {}, "'source' must be {\"name\""),
+    (("compile_seconds",), {"load": None}, "'compile_seconds' must map each compile phase"),
+    (("compile_seconds",), ["load"], "'compile_seconds' must map each compile phase"),
+    (("passes", 0, "drift"), {}, "'passes' holds .* not a pass record"),
+])
+def test_inspect_of_edited_compile_records_is_an_artifact_error(artifact, path, value, message):
+    """The records only `fxllm inspect` prints are checked like every field: an edited one crashed the printing
+    (TypeError, KeyError: `fxllm inspect` exited 2, an internal error)."""
+    def change(manifest):
+        target = manifest
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    _edit(artifact, change)
+    with pytest.raises(ArtifactError, match=message):
+        describe_artifact(artifact)
+
+
+def test_inspect_without_compile_records(artifact):
+    """Both records are optional: an artifact without them is described, its source as not recorded."""
+    _edit(artifact, lambda m: [m.pop("source"), m.pop("compile_seconds")])
+    assert "model        (not recorded): LlamaForCausalLM" in describe_artifact(artifact)["text"]
+
+
 def test_spec_edited_after_compilation_is_refused(artifact):
     """A context limit raised in the manifest would let a 256-position model run past what it was built for."""
     _edit(artifact, lambda m: m["spec"].update(max_positions=1_000_000))
