@@ -50,8 +50,9 @@ def _sized(value: Any) -> bool:
     return isinstance(value, (str, list, tuple))
 
 
-def render_within(template: jinja2.Template, seconds: float, **variables: Any) -> str:
-    """template.render(**variables), raising RenderTimeout once it has run `seconds`."""
+def render_within(template: jinja2.Template, seconds: float, /, **variables: Any) -> str:
+    """template.render(**variables), raising RenderTimeout once it has run `seconds` (positional-only: a variable may
+    be called `template`, `seconds` or `self`)."""
     deadline = time.monotonic() + seconds
 
     def in_template(frame, event, arg):
@@ -65,6 +66,6 @@ def render_within(template: jinja2.Template, seconds: float, **variables: Any) -
     previous = sys.gettrace()
     sys.settrace(on_call)
     try:
-        return template.render(**variables)
+        return template.render(variables)  # one mapping: a variable may be called `self` (render's own parameter)
     finally:
         sys.settrace(previous)

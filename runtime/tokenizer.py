@@ -133,7 +133,7 @@ class Tokenizer:
 
     # -- chat ---------------------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True, *, tools: list | None = None,
+    def apply_chat_template(self, messages: Any, /, add_generation_prompt: bool = True, *, tools: list | None = None,
                             documents: list | None = None, chat_template: str | None = None, **kwargs: Any) -> str:
         """The conversation as prompt text, rendered as transformers renders it (tokenize it with
         `encode(text, add_special_tokens=False)`: the template writes its own special tokens). `chat_template`: a

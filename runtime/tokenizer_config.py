@@ -50,18 +50,26 @@ def special_tokens(config: dict[str, Any]) -> tuple[dict[str, AddedToken], list[
     # transformers' order (it decides the ids of tokens added at load): the standard names, then the others
     keys = [*NAMED_SPECIAL_TOKENS, *(key for key in config if key.endswith("_token") and key not in NAMED_SPECIAL_TOKENS)]
     named = {key: added_token(config[key], special=True) for key in keys if isinstance(config.get(key), (str, dict))}
-    extra_value = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    key = "extra_special_tokens" if config.get("extra_special_tokens") else "additional_special_tokens"
+    extra_value = config.get(key) or []
     if isinstance(extra_value, dict):  # a dict of named model-specific tokens
-        named.update({key: added_token(value, special=True) for key, value in extra_value.items()})
+        named.update({name: added_token(value, special=True) for name, value in extra_value.items()})
         extra_value = []
+    if not isinstance(extra_value, list):
+        raise ArtifactError(f"{CONFIG_FILE}: {key} must be a list of tokens or an object of named tokens, got "
+                            f"{type(extra_value).__name__}")
     extra = [added_token(value, special=None) for value in extra_value if isinstance(value, (str, dict))]
     return named, extra
 
 
 def added_token(value: str | dict[str, Any], special: bool | None) -> AddedToken:
-    """A config entry (plain text, or a serialized AddedToken) as an AddedToken; `special=True` forces the flag."""
+    """A config entry (plain text, or a serialized AddedToken) as an AddedToken; `special=True` forces the flag.
+    Anything else is an ArtifactError."""
     if isinstance(value, str):
         return AddedToken(value, special=True)
+    if not isinstance(value, dict):
+        raise ArtifactError(f"a special token in {CONFIG_FILE} is neither its text nor a token object: "
+                            f"{str(value)[:60]!r}")
     fields = {key: value[key] for key in ("single_word", "lstrip", "rstrip", "normalized", "special") if key in value}
     if not isinstance(value.get("content"), str):
         raise ArtifactError(f"a special token in {CONFIG_FILE} has no text: {value!r}")
@@ -100,7 +108,11 @@ def chat_templates(directory: Path, config: dict[str, Any]) -> str | dict[str, s
         return templates["default"] if list(templates) == ["default"] else templates
     entry = config.get("chat_template")
     if isinstance(entry, list):  # [{"name": ..., "template": ...}, ...]
-        return {item["name"]: item["template"] for item in entry if isinstance(item, dict) and "name" in item}
+        if not all(isinstance(item, dict) and isinstance(item.get("name"), str)
+                   and isinstance(item.get("template"), str) for item in entry):
+            raise ArtifactError(f"{CONFIG_FILE}: chat_template must be a template or a list of {{\"name\", "
+                                "\"template\"}} objects")
+        return {item["name"]: item["template"] for item in entry}
     return entry if isinstance(entry, str) else None
 
 

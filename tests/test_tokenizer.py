@@ -216,6 +216,20 @@ def test_a_template_that_runs_too_long_is_stopped(tokenizer_dir, monkeypatch):
     assert ours.apply_chat_template(CONVERSATIONS[0])  # the next render is unaffected
 
 
+def test_template_variables_may_have_any_name_but_the_renderers_own(tokenizer_dir):
+    """Extra keyword arguments are template variables, whatever their name: `template`, `seconds` and `self` once
+    collided with parameters of the functions they pass through (a TypeError); the variables the renderer sets
+    itself are refused in one line."""
+    ours = load_tokenizer(tokenizer_dir)
+    shown = ours.apply_chat_template(CONVERSATIONS[0], chat_template="{{ template }}|{{ seconds }}", template="t",
+                                     seconds=3, self="s")  # (Jinja's own `self` shadows a variable of that name)
+    assert shown == "t|3"
+    with pytest.raises(GenerationError, match="cannot be called messages: the renderer sets it"):
+        ours.apply_chat_template(CONVERSATIONS[0], messages=1)
+    with pytest.raises(GenerationError, match="documents must be a list of JSON objects"):
+        ours.apply_chat_template(CONVERSATIONS[0], documents=1)  # was a TypeError: 'int' object is not iterable
+
+
 def test_bad_conversations_are_refused(tokenizer_dir):
     ours = load_tokenizer(tokenizer_dir)
     for messages in ([], "hello", ["hello"]):
@@ -242,6 +256,26 @@ def test_bad_tokenizer_files_are_artifact_errors(tokenizer_dir, tmp_path):
         load_tokenizer(copy)
     (copy / "tokenizer.json").unlink()
     with pytest.raises(ArtifactError, match="has no tokenizer.json"):
+        load_tokenizer(copy)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("additional_special_tokens", 1, "additional_special_tokens must be a list of tokens or an object"),
+    ("extra_special_tokens", True, "extra_special_tokens must be a list of tokens or an object"),
+    ("extra_special_tokens", {"image_token": 5}, "neither its text nor a token object"),
+    ("added_tokens_decoder", {"5": 5}, "neither its text nor a token object"),
+    ("chat_template", [{"name": "default"}], "chat_template must be a template or a list of"),
+    ("chat_template", [5], "chat_template must be a template or a list of"),
+])
+def test_tokenizer_config_entries_of_the_wrong_type_are_artifact_errors(tokenizer_dir, tmp_path, key, value, message):
+    """An edited tokenizer_config.json was a TypeError or KeyError while loading (`fxllm generate` exited 2, an
+    internal error); it is a one-line ArtifactError naming the file."""
+    copy = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, key: value}))
+    (copy / "chat_template.jinja").unlink(missing_ok=True)  # the file would take priority over the config's entry
+    with pytest.raises(ArtifactError, match=message):
         load_tokenizer(copy)
 
 
