@@ -37,21 +37,22 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 RENDERER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")  # what render_chat sets itself
 
 
-def render_chat(template: str, messages: Any, /, *, add_generation_prompt: bool = True, tools: list | None = None,
-                documents: list | None = None, special_tokens: Mapping[str, str] | None = None, **kwargs: Any) -> str:
+def render_chat(template: str, messages: Any, *, add_generation_prompt: bool = True, tools: list | None = None,
+                documents: list | None = None, special_tokens: Mapping[str, str] | None = None,
+                variables: Mapping[str, Any] | None = None) -> str:
     """The conversation rendered as the prompt text. `messages`: a list of dicts (or dataclasses / pydantic models)
-    with at least `role` and `content`; `kwargs` are further template variables (any name: `template` and `messages`
-    are positional-only here). A template error, a `raise_exception` call or a malformed conversation is a
-    GenerationError with a one-line message."""
+    with at least `role` and `content`; `variables` are further template variables (any name but
+    RENDERER_VARIABLES), over `special_tokens` (bos_token, ...), which they may override. A template error, a
+    `raise_exception` call or a malformed conversation is a GenerationError with a one-line message."""
     compiled = compile_template(template)
     conversation = _conversation(messages)
     for name, items in (("tools", tools), ("documents", documents)):
         if items is not None and not (isinstance(items, list) and all(isinstance(item, Mapping) for item in items)):
             raise GenerationError(f"chat {name} must be a list of JSON objects")
-    taken = sorted(set(kwargs) & set(RENDERER_VARIABLES))
+    variables = {**(special_tokens or {}), **(variables or {})}
+    taken = sorted(set(variables) & set(RENDERER_VARIABLES))
     if taken:
         raise GenerationError(f"a chat template variable cannot be called {', '.join(taken)}: the renderer sets it")
-    variables = {**(special_tokens or {}), **kwargs}
     try:
         return render_within(compiled, RENDER_SECONDS, messages=conversation, tools=_plain(tools),
                              documents=_plain(documents), add_generation_prompt=add_generation_prompt,

@@ -140,7 +140,7 @@ class Tokenizer:
         template, or the name of one of the model's templates; extra keyword arguments reach the template."""
         template = self._select_template(chat_template, tools)
         return render_chat(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                           documents=documents, special_tokens=self.special_tokens, **kwargs)
+                           documents=documents, special_tokens=self.special_tokens, variables=kwargs)
 
     def _select_template(self, requested: str | None, tools: list | None) -> str:
         templates = self.chat_template

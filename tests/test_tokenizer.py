@@ -222,7 +222,7 @@ def test_template_variables_may_have_any_name_but_the_renderers_own(tokenizer_di
     itself are refused in one line."""
     ours = load_tokenizer(tokenizer_dir)
     shown = ours.apply_chat_template(CONVERSATIONS[0], chat_template="{{ template }}|{{ seconds }}", template="t",
-                                     seconds=3, self="s")  # (Jinja's own `self` shadows a variable of that name)
+                                     seconds=3, self="s", special_tokens=1, variables=2)  # (Jinja's `self` wins)
     assert shown == "t|3"
     with pytest.raises(GenerationError, match="cannot be called messages: the renderer sets it"):
         ours.apply_chat_template(CONVERSATIONS[0], messages=1)

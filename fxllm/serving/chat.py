@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from fxllm.runtime.chat_template import RENDERER_VARIABLES
 from fxllm.runtime.request import MAX_LOGPROBS
 from fxllm.serving.errors import APIError
 from fxllm.serving.logprobs import chat_logprobs
@@ -84,12 +85,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return plain
 
 
-# Names a template variable cannot have: what the renderer sets itself, `chat_template` (which would pick the
-# template: a client does not get to send the code the server runs), and the other parameter names of the
-# functions the variables pass through as keyword arguments (Tokenizer.apply_chat_template, render_chat,
-# render_within), which would collide with them.
-RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt", "chat_template", "self", "template",
-                    "special_tokens", "seconds")
+# Names a template variable cannot have: what the renderer sets itself (runtime/chat_template.RENDERER_VARIABLES)
+# and `chat_template`, which would pick the template: a client does not get to send the code the server runs.
+RENDER_ARGUMENTS = (*RENDERER_VARIABLES, "chat_template")
 
 
 def template_variables(kwargs: dict | None) -> dict:
