@@ -28,6 +28,7 @@ import numpy as np
 
 from fxllm.errors import GenerationError
 from fxllm.runtime.template_budget import BudgetedSandbox, RenderTimeout, render_within
+from fxllm.runtime.template_sizes import check_size, json_size, text_size
 
 RENDER_SECONDS = 5.0  # a chat template renders in milliseconds; one still running after this never ends usefully
 # Older names for a message's reasoning; templates read `reasoning_content`, gpt-oss templates read `thinking`.
@@ -125,8 +126,11 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+ERROR_CHARACTERS = 2000  # of an error's message kept in a GenerationError (a template may raise a huge one)
+
+
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(getattr(exc, "message", None) or exc).split())
+    return " ".join(str(getattr(exc, "message", None) or exc)[:ERROR_CHARACTERS].split())
 
 
 class TemplateRaised(jinja2.TemplateError):
@@ -134,16 +138,20 @@ class TemplateRaised(jinja2.TemplateError):
 
 
 def _raise_exception(message: str):
+    check_size(text_size(message), "raise_exception")  # its text is built for the error message
     raise TemplateRaised(message)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
             sort_keys: bool = False) -> str:
     # jinja2's own tojson HTML-escapes (<, >, &, '), which would change the prompt text.
+    check_size(json_size(value, indent=indent, separators=separators, ensure_ascii=ensure_ascii), "'tojson'")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+    if isinstance(format, str):  # a directive writes at most a few dozen characters ('%c': 24)
+        check_size(len(format) + 64 * format.count("%"), "strftime_now")
     return datetime.now().strftime(format)
 
 

@@ -6,6 +6,7 @@ config)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 
@@ -200,6 +201,71 @@ def test_template_failures_are_one_line_generation_errors(tokenizer_dir, templat
     with pytest.raises(GenerationError, match=message) as caught:
         ours.apply_chat_template(CONVERSATIONS[0], chat_template=template)
     assert "\n" not in str(caught.value)
+
+
+_DAG = "{% set ns = namespace(a=[1]) %}{% for i in range(60) %}{% set ns.a = [ns.a, ns.a] %}{% endfor %}"  # 2**60 ones
+
+
+@pytest.mark.parametrize("template, what", [
+    ("{{ 'x'.center(20000000) }}", "center()"),
+    ("{{ 'x'.center(10000000000) }}", "center()"),  # 10 GB in one C call
+    ("{{ 'x'.ljust(20000000) }}", "ljust()"),
+    ("{{ 'x'.rjust(20000000, '-') }}", "rjust()"),
+    ("{{ 'x'.zfill(20000000) }}", "zfill()"),
+    ("{{ ('\t' * 1000).expandtabs(100000) }}", "expandtabs()"),
+    ("{{ ('x' * 10000).replace('x', 'x' * 10000) }}", "replace()"),
+    ("{{ ('x' * 10000).encode().center(20000000) }}", "center()"),
+    ("{{ (1).to_bytes(10000000000, 'big') }}", "to_bytes()"),
+    ("{{ '%20000000d' % 1 }}", "'%'"),
+    ("{{ '%*d' % (20000000, 1) }}", "'%'"),
+    ("{{ '%.20000000f' % 1.0 }}", "'%'"),
+    ("{{ '%(a)s%(a)s' % {'a': 'x' * 9000000} }}", "'%'"),
+    ("{{ '{:>20000000}'.format(1) }}", "format()"),
+    ("{{ '{:{}}'.format(1, 20000000) }}", "format()"),
+    ("{{ '{0}{0}'.format('x' * 9000000) }}", "format()"),
+    ("{{ '{a}{a}'.format_map({'a': 'x' * 9000000}) }}", "format()"),
+    ("{{ ''.join(['x' * 9000000] * 2) }}", "join()"),
+    ("{% set a = 'x' * 9000000 %}{{ a ~ a }}", "'~'"),
+    ("{{ 'x'|center(20000000) }}", "'center'"),
+    ("{{ 'x'|indent(20000000, true) }}", "'indent'"),
+    ("{{ ('x\n' * 1000)|indent('y' * 100000) }}", "'indent'"),
+    ("{{ range(100000)|join('x' * 1000) }}", "'join'"),
+    ("{{ ('x' * 100)|replace('x', 'y' * 1000000) }}", "'replace'"),
+    ("{{ '%20000000d'|format(1) }}", "'format'"),
+    ("{{ ('<' * 9000000)|e }}", "'e'"),
+    ("{{ ['x' * 9000000, 'y' * 9000000]|sum(start='') }}", "'sum'"),
+    ("{{ [1]|batch(100000000, 0)|list }}", "'batch'"),
+    ("{{ lipsum(1, min=100000000, max=100000001) }}", "'lipsum'"),
+    ("{{ ['x' * 16000000] * 1000 }}", "'{{ }}'"),  # 16 GB of text from a list of 1000 items
+    ("{{ (['x' * 16000000] * 1000)|string }}", "'string'"),
+    ("{{ (['x' * 16000000] * 1000)|tojson }}", "'tojson'"),
+    ("{{ (['x' * 16000000] * 1000)|pprint }}", "'pprint'"),
+    ("{{ '%s' % (['x' * 16000000] * 1000,) }}", "'%'"),
+    (_DAG + "{{ ns.a }}", "'{{ }}'"),
+    (_DAG + "{{ ns.a|tojson }}", "'tojson'"),
+    (_DAG + "{{ ns.a ~ '' }}", "'~'"),
+    ("{% for i in range(1000) %}{{ 'x' * 10000000 }}{% endfor %}", "its output"),
+    ("{% set s %}{% for i in range(1000) %}{{ 'x' * 10000000 }}{% endfor %}{% endset %}", "its output"),
+])
+def test_a_template_cannot_build_a_value_past_the_size_budget(tokenizer_dir, template, what):
+    """Whatever builds the value (an operator, a method, a filter, printing a container, the output itself), it is
+    refused before it is built: in one line, and at once (one C call building gigabytes cannot be interrupted)."""
+    ours = load_tokenizer(tokenizer_dir)
+    start = time.monotonic()
+    refusal = rf"builds a value of \d+ items with {re.escape(what)} \(at most 16777216\)"
+    with pytest.raises(GenerationError, match=refusal) as caught:
+        ours.apply_chat_template(CONVERSATIONS[0], chat_template=template)
+    assert time.monotonic() - start < 2
+    assert "\n" not in str(caught.value)
+
+
+def test_values_within_the_size_budget_still_render(tokenizer_dir):
+    """The bounds refuse only what is past the budget: the same operations on sizes that fit render as before."""
+    ours = load_tokenizer(tokenizer_dir)
+    rendered = ours.apply_chat_template(CONVERSATIONS[0], chat_template=(
+        "{% set a = 'x' * 8000000 %}{{ (a ~ a)|length }} {{ 'x'.center(16000000)|length }} "
+        "{{ (('%' ~ 16000000 ~ 'd') % 1)|length }} {{ [a, a]|join|length }} {{ {'k': [1, 'é\n']}|tojson(indent=1) }}"))
+    assert rendered == '16000000 16000000 16000000 16000000 {\n "k": [\n  1,\n  "é\\n"\n ]\n}'
 
 
 def test_a_template_that_runs_too_long_is_stopped(tokenizer_dir, monkeypatch):
