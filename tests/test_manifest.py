@@ -31,6 +31,17 @@ def _edit(artifact: Path, change) -> None:
     path.write_text(json.dumps(manifest))
 
 
+def _set_field(artifact: Path, path: tuple, value) -> None:
+    """The manifest's field at `path` (keys and indices) set to `value`."""
+    def change(manifest):
+        target = manifest
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    _edit(artifact, change)
+
+
 @pytest.fixture
 def artifact(make_tiny_artifact, tmp_path) -> Path:
     target = tmp_path / "artifact"
@@ -114,13 +125,7 @@ def test_files_added_to_the_tokenizer_directory_are_refused(artifact, outside):
     (("kind",), "photo-album", "'kind' must be 'fxllm-artifact'"),
 ])
 def test_wrong_fields_are_artifact_errors(artifact, path, value, message):
-    def change(manifest):
-        target = manifest
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = value
-
-    _edit(artifact, change)
+    _set_field(artifact, path, value)
     with pytest.raises(ArtifactError, match=message):
         fxllm.load(artifact, verify=False)
 
@@ -135,13 +140,7 @@ def test_wrong_fields_are_artifact_errors(artifact, path, value, message):
 def test_inspect_of_edited_compile_records_is_an_artifact_error(artifact, path, value, message):
     """The records only `fxllm inspect` prints are checked like every field: an edited one crashed the printing
     (TypeError, KeyError: `fxllm inspect` exited 2, an internal error)."""
-    def change(manifest):
-        target = manifest
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = value
-
-    _edit(artifact, change)
+    _set_field(artifact, path, value)
     with pytest.raises(ArtifactError, match=message):
         describe_artifact(artifact)
 
