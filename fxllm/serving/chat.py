@@ -47,6 +47,7 @@ async def create_chat_completion(service: OpenAIService,
                        param="top_logprobs")
     top = (request.top_logprobs or 0) if request.logprobs else None
     variables = template_variables(request.chat_template_kwargs)
+    service.check_room(n)  # before the template renders
     prompt_ids = await service.encode_chat(template_messages(request.messages), variables)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     # the engine's max_tokens is whichever field the client set

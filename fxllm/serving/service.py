@@ -171,22 +171,28 @@ class OpenAIService:
     def capacity(self) -> int | None:
         return None if self.config.max_queue is None else self.max_batch + self.config.max_queue
 
-    def check_size(self, count: int) -> None:
-        """400 for an HTTP request that alone asks for more engine requests than the server ever admits at once."""
+    def check_room(self, count: int) -> None:
+        """Before a request's prompt is tokenized or rendered (seconds of CPU for a large one): 400 when it alone
+        asks for more engine requests than the server ever admits at once, 429 while the server has no room for
+        them now (`admit` checks again once the prompt is ready)."""
         capacity = self.capacity
         if capacity is not None and count > capacity:
             raise APIError(400, f"this request asks for {count} completions at once; the server runs at most "
                                 f"{capacity} (max_batch {self.max_batch} + max_queue {self.config.max_queue})",
                            param="n")
+        self._check_not_busy(count)
 
     def admit(self, count: int) -> None:
         """Count `count` engine requests in, or 429 while the server has too many unfinished."""
+        self._check_not_busy(count)
+        self._admitted += count
+        self.metrics.admitted.set(self._admitted)
+
+    def _check_not_busy(self, count: int) -> None:
         capacity = self.capacity
         if capacity is not None and self._admitted + count > capacity:
             raise APIError(429, f"the server is busy: {self._admitted} requests are running or queued, at most "
                                 f"{capacity}; retry later", code="queue_full")
-        self._admitted += count
-        self.metrics.admitted.set(self._admitted)
 
     def release(self, count: int = 1) -> None:
         self._admitted -= count
@@ -200,7 +206,7 @@ class OpenAIService:
         """Check every choice (a bad one refuses them all: 400; `fields` as check_choice), admit them together (429)
         and start them; returns the running GenerationRun."""
         self.check_accepting()
-        self.check_size(len(choices))
+        self.check_room(len(choices))
         for choice in choices:
             self.check_choice(choice, fields)
         self.admit(len(choices))

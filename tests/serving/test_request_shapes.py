@@ -200,3 +200,36 @@ def test_a_long_list_of_wrong_types_is_one_error(loaded, route, body, param):
     assert (response.status_code, error["param"]) == (422, param), response.text
     more = error["message"].partition(" (and ")[2].split(" ")[0]
     assert int(more or 0) <= 3, error["message"]
+
+
+def test_a_full_server_refuses_before_tokenizing(loaded):
+    """While every admission slot is taken, a request is 429 before its prompt is tokenized or its template rendered
+    (a large prompt costs seconds of CPU, which an overloaded server should not spend on a request it refuses);
+    once a slot frees, the same requests are served."""
+
+    async def main() -> tuple[list[int], int, int]:
+        service = OpenAIService(AsyncEngine(loaded), ServingConfig((NAME,), max_queue=1))
+        prepared = []
+        for name in ("encode", "encode_chat"):
+            def counted(*args, _real=getattr(service, name), **kwargs):
+                prepared.append(name)
+                return _real(*args, **kwargs)
+            setattr(service, name, counted)
+        transport = httpx.ASGITransport(app=create_app(lambda: service))
+        chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+                service.admit(service.capacity)  # as if that many requests were running or queued
+                refused = [await client.post(url, json=body) for url, body in
+                           (("/v1/completions", OK), ("/v1/chat/completions", chat))]
+                prepared_while_full = len(prepared)
+                service.release(service.capacity)
+                served = [await client.post(url, json=body) for url, body in
+                          (("/v1/completions", OK), ("/v1/chat/completions", chat))]
+        finally:
+            await service.engine.shutdown(drain_timeout=0)
+        return [r.status_code for r in refused + served], prepared_while_full, len(prepared)
+
+    statuses, prepared_while_full, prepared = asyncio.run(main())
+    assert statuses == [429, 429, 200, 200]
+    assert (prepared_while_full, prepared) == (0, 2)
