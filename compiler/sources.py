@@ -33,6 +33,15 @@ CONTEXT_FIELDS = ("max_position_embeddings", "n_positions")
 # The special-token ids transformers looks up in a GGUF's token list (an id past its end: a bare IndexError).
 GGUF_SPECIAL_TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
                           "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id")
+# The GGUF header keys (after '{architecture}.') that size the model, as SIZE_FIELDS do in config.json: transformers
+# copies them into the config unchecked (a negative context compiled, 0 layers or heads failed far from the cause).
+# The per-layer ones may be arrays (one value per block, e.g. OpenELM's).
+GGUF_SIZE_KEYS = ("context_length", "block_count", "embedding_length", "vocab_size", "rope.dimension_count",
+                  "attention.key_length", "attention.value_length")
+GGUF_PER_LAYER_SIZE_KEYS = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")
+# No GGUF tensor type stores a weight in less than one bit (IQ1_S: 1.56): a header whose sizes ask for more weights
+# than 8 per byte of the file is corrupt, and building it would allocate them (a vocab_size of 1e9: 256 GB asked).
+GGUF_MAX_WEIGHTS_PER_BYTE = 8
 
 
 @dataclass(frozen=True)
@@ -96,7 +105,17 @@ def _gguf_reader(source: ModelSource):
     try:
         return GGUFReader(_gguf_path(source))
     except Exception as exc:  # corrupt or truncated file
-        raise ModelSourceError(f"cannot read GGUF file '{_gguf_path(source)}': {exc}") from exc
+        raise ModelSourceError(f"cannot read GGUF file '{_gguf_path(source)}': {exc}{_past_end_hint(exc)}") from exc
+
+
+def _past_end_hint(exc: Exception) -> str:
+    """What gguf-py's numpy errors mean: it slices the mapping without bounds checks, so a file cut short, or a
+    count, length or offset past its end, surfaces as an empty or short slice that numpy then refuses."""
+    message = str(exc)
+    if isinstance(exc, IndexError) and "out of bounds" in message or \
+            isinstance(exc, ValueError) and ("reshape" in message or "dtype" in message):
+        return " (the file is truncated, or a count, length or offset in its header runs past its end)"
+    return ""
 
 
 def _gguf_value(reader, key: str) -> Any:
@@ -114,9 +133,13 @@ def _gguf_value(reader, key: str) -> Any:
 
 def gguf_architecture(source: ModelSource) -> str:
     """The `general.architecture` a GGUF file declares (llama, qwen3moe, gemma2, ...)."""
+    from gguf import GGUFValueType
+
     reader = _gguf_reader(source)
     try:
         field = reader.fields["general.architecture"]
+        if field.types != [GGUFValueType.STRING]:  # the bytes of a number decode too (an int: '\x01\x00\x00\x00')
+            raise TypeError(f"it is {'/'.join(kind.name for kind in field.types)}")
         return bytes(field.parts[field.data[0]]).decode()
     except Exception as exc:  # a header without it, or not a string
         raise ModelSourceError(f"cannot read GGUF file '{_gguf_path(source)}': no general.architecture string "
@@ -183,15 +206,90 @@ def _check_gguf_context(source: ModelSource, architecture: str) -> None:
         check_context(length, f"'{_gguf_path(source)}' ({key})")
 
 
-@sharing_gguf_readers  # the header is read twice here: for the architecture and for the context length
+def _gguf_integers(field) -> list[int] | None:
+    """The values of an integer scalar or integer-array GGUF field; None when it holds anything else."""
+    from gguf import GGUFValueType
+
+    kind = field.types[-1]
+    if kind in (GGUFValueType.STRING, GGUFValueType.ARRAY, GGUFValueType.BOOL, GGUFValueType.FLOAT32,
+                GGUFValueType.FLOAT64):
+        return None
+    return [int(field.parts[index][0]) for index in field.data]
+
+
+def _check_gguf_sizes(source: ModelSource, architecture: str) -> None:
+    """Every GGUF_SIZE_KEYS value present is one positive integer, every GGUF_PER_LAYER_SIZE_KEYS value one or an
+    array of sizes (>= 0, not all 0): the header's sizes as _check_config_sizes checks config.json's; then the
+    weight count they imply (_check_gguf_weight_count)."""
+    fields = _gguf_reader(source).fields
+    for name in GGUF_SIZE_KEYS + GGUF_PER_LAYER_SIZE_KEYS:
+        field = fields.get(f"{architecture}.{name}")
+        if field is None:
+            continue
+        values, is_array = _gguf_integers(field), len(field.types) > 1
+        per_layer = name in GGUF_PER_LAYER_SIZE_KEYS
+        # per layer, 0 is legitimate: a hybrid model's recurrent layers have no KV heads (refused later by feature)
+        if values is None or not values or max(values) < 1 or min(values) < (0 if is_array else 1) or \
+                (is_array and not per_layer):
+            what = "a positive integer or an array of sizes" if per_layer else "a positive integer"
+            raise ModelSourceError(f"'{_gguf_path(source)}': {architecture}.{name} must be {what}, got "
+                                   f"{short(_gguf_value(_gguf_reader(source), f'{architecture}.{name}'))} "
+                                   f"({'/'.join(kind.name for kind in field.types)})")
+    _check_gguf_weight_count(source, architecture)
+
+
+def _check_gguf_weight_count(source: ModelSource, architecture: str) -> None:
+    """Refuse a header (sizes already checked positive) describing more weights than the file can hold: at least
+    the embedding (vocab_size x embedding_length) and each block's feed-forward (embedding x feed_forward_length)."""
+    reader, path = _gguf_reader(source), _gguf_path(source)
+
+    def sizes(name: str) -> list[int]:
+        field = reader.fields.get(f"{architecture}.{name}")
+        return _gguf_integers(field) if field is not None else [1]
+
+    feed_forward = sizes("feed_forward_length")
+    # one size for every block, or one per block
+    feed_forward_total = feed_forward[0] * sizes("block_count")[0] if len(feed_forward) == 1 else sum(feed_forward)
+    embedding = sizes("embedding_length")[0]
+    weights = (sizes("vocab_size")[0] + feed_forward_total) * embedding
+    limit = GGUF_MAX_WEIGHTS_PER_BYTE * os.path.getsize(path)
+    if weights > limit:
+        raise ModelSourceError(f"'{path}': its header's sizes describe at least {weights:,} weights, more than its "
+                               f"{os.path.getsize(path):,} bytes can hold (no GGUF type stores a weight in under a "
+                               "bit); the sizes are corrupt")
+
+
+def _check_gguf_tensor_layout(source: ModelSource) -> None:
+    """Each tensor's data starts on the file's alignment and no two tensors share bytes. gguf-py checks neither:
+    a misaligned tensor read shifted blocks (NaN weights), and two tensors at one offset compiled, the second a copy
+    of the first."""
+    reader = _gguf_reader(source)
+    previous_end, previous = reader.data_offset, None
+    for tensor in sorted(reader.tensors, key=lambda tensor: int(tensor.data_offset)):
+        start = int(tensor.data_offset)
+        if (start - reader.data_offset) % reader.alignment:
+            raise ModelSourceError(f"'{_gguf_path(source)}': tensor {tensor.name} starts at data offset "
+                                   f"{start - reader.data_offset:,}, not a multiple of the file's alignment "
+                                   f"({reader.alignment})")
+        if start < previous_end:
+            raise ModelSourceError(f"'{_gguf_path(source)}': tensors {previous} and {tensor.name} overlap (bytes "
+                                   f"{start:,} to {previous_end:,}); the tensor offsets are corrupt")
+        previous_end, previous = start + int(tensor.n_bytes), tensor.name
+
+
+@sharing_gguf_readers  # the header is read several times here: architecture, sizes, context, tensor layout
 def check_supported(source: ModelSource) -> None:
     """Refuse, before any weight is loaded, a source fxllm cannot compile, naming the feature (an encoder-decoder,
     no causal-LM class, state-space or chunked-attention layers, ALiBi: model_features.check_capabilities), and a
     config whose sizes are not positive integers or whose context exceeds MAX_CONTEXT. A GGUF file's header must be
-    readable here; its config is only known once transformers parses the whole file, so load_model checks it."""
+    readable here, its size keys positive integers describing no more weights than the file can hold, and its
+    tensors aligned and disjoint; its config is only known once transformers parses the whole file, so load_model
+    checks the rest."""
     architecture = source_architecture(source)
     if source.gguf_file:
+        _check_gguf_sizes(source, architecture.removeprefix("gguf:"))
         _check_gguf_context(source, architecture.removeprefix("gguf:"))
+        _check_gguf_tensor_layout(source)
         return
     _check_config_sizes(_read_config(source), source.directory / "config.json")
     from transformers import AutoConfig
@@ -206,11 +304,16 @@ def check_supported(source: ModelSource) -> None:
 def _check_gguf_tokenizer(source: ModelSource) -> None:
     """The tokenizer fields transformers indexes without checking: a vocabulary, merges or scores for a byte-level
     BPE, special-token ids inside the vocabulary."""
+    from gguf import GGUFValueType
+
     reader, path = _gguf_reader(source), _gguf_path(source)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ModelSourceError(f"'{path}' holds no tokenizer vocabulary (tokenizer.ggml.tokens); fxllm reads the "
                                "tokenizer from the GGUF file itself")
+    if tokens.types != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
+        raise ModelSourceError(f"'{path}': tokenizer.ggml.tokens must be an array of strings, not "
+                               f"{'/'.join(kind.name for kind in tokens.types)}")
     kind = _gguf_value(reader, "tokenizer.ggml.model")
     if kind == "gpt2" and not {"tokenizer.ggml.merges", "tokenizer.ggml.scores"} & set(reader.fields):
         raise ModelSourceError(f"'{path}' has a byte-level BPE tokenizer (tokenizer.ggml.model 'gpt2') without its "
@@ -372,7 +475,8 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
                 raise
             model = load("eager")  # models without an sdpa path (Gemma 2, GPT-OSS); capture replaces it anyway
     except Exception as exc:
-        raise ModelSourceError(f"cannot load model weights from '{source.directory}': {exc}") from exc
+        where = _gguf_path(source) if source.gguf_file else source.directory
+        raise ModelSourceError(f"cannot load model weights from '{where}': {exc}") from exc
     model, info = model
     _check_loaded(source, info)
     _check_no_extra_blocks(source, info, model.state_dict().keys())

@@ -9,12 +9,15 @@
 - `write_gguf`: a Hugging Face model directory as a GGUF that transformers' GGUF loader reads back as the same model.
   Every name, permutation and offset is the inverse of what transformers does when reading (its tables in
   `transformers.integrations.ggml` and `transformers.modeling_gguf_pytorch_utils`), not a hand-written list.
+- `Typed`, `patch_tensor_offset`: hostile files: a key of another type than its own, a tensor moved in the data.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -224,10 +227,10 @@ def write_gguf(model_dir: Path, path: Path, weight_type: str = "F32", overrides:
     not a whole number of quantization blocks, which stay F32 as 1-D tensors (norms, biases) do.
     `tensor_types` stores the named GGUF tensors ('token_embd.weight', 'blk.1.ffn_down.weight') as other types
     (any type `gguf.quants.quantize` writes, e.g. Q5_0), 1-D ones excepted.
-    `overrides` replaces metadata values by key (keeping the written type), adds new keys (type from the Python
-    value) or, with None, drops a key. Without overrides the written file is checked: a config value that
-    transformers would read back differently (one the GGUF has no key for, left off its class default) raises
-    ValueError. Returns `path`."""
+    `overrides` replaces metadata values by key (keeping the written type, or the type a `Typed` value names), adds
+    new keys (type from the Python value) or, with None, drops a key. Without overrides the written file is checked:
+    a config value that transformers would read back differently (one the GGUF has no key for, left off its class
+    default) raises ValueError. Returns `path`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -249,12 +252,34 @@ def write_gguf(model_dir: Path, path: Path, weight_type: str = "F32", overrides:
     return path
 
 
+@dataclass(frozen=True)
+class Typed:
+    """An override value written as GGUF type `kind` (a GGUFValueType; arrays of `item`), whatever type the key
+    had."""
+
+    value: Any
+    kind: Any
+    item: Any = None
+
+
+def patch_tensor_offset(path: Path, name: str, offset: int) -> None:
+    """Rewrite, in place, the data offset (relative to the data section) that `path`'s header gives tensor `name`."""
+    data = bytearray(Path(path).read_bytes())
+    encoded = name.encode()
+    at = data.index(struct.pack("<Q", len(encoded)) + encoded) + 8 + len(encoded)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<Q", data, at + 4 + 8 * n_dims + 4, offset)  # past n_dims, the dims and the type id
+    Path(path).write_bytes(data)
+
+
 def _overridden(metadata: dict[str, tuple], overrides: dict[str, Any]) -> dict[str, tuple]:
     """`metadata` ({key: (value, type, item type)}) with `overrides` applied as `write_gguf` describes."""
     metadata = dict(metadata)
     for key, value in overrides.items():
         if value is None:
             metadata.pop(key, None)
+        elif isinstance(value, Typed):
+            metadata[key] = (value.value, value.kind, value.item)
         else:
             metadata[key] = (value, *metadata[key][1:]) if key in metadata else _entry(value)
     return metadata

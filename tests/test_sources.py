@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from gguf import GGUFValueType
 
 from fxllm.compiler.sources import (
     DEFAULT_MODEL,
@@ -11,6 +12,7 @@ from fxllm.compiler.sources import (
     source_architecture,
 )
 from fxllm.errors import ModelSourceError
+from tests.gguf_files import Typed
 
 
 def test_default_model_resolves_to_the_packaged_gguf():
@@ -142,6 +144,12 @@ def test_a_malformed_model_directory_is_named_in_one_line(tiny_hf, tmp_path, con
      r"m\.gguf' has a byte-level BPE tokenizer \(tokenizer\.ggml\.model 'gpt2'\) without its merges"),
     ({"tokenizer.ggml.bos_token_id": 999999},  # was "list index out of range"
      r"m\.gguf': tokenizer\.ggml\.bos_token_id is 999999, outside its vocabulary of 2,048 tokens"),
+    # was "bos_token_id is 1, outside its vocabulary of 1 tokens"
+    ({"tokenizer.ggml.tokens": Typed("abc", GGUFValueType.STRING)},
+     r"m\.gguf': tokenizer\.ggml\.tokens must be an array of strings, not STRING"),
+    # was "'int' object is not iterable"
+    ({"tokenizer.ggml.tokens": Typed([1, 2, 3], GGUFValueType.ARRAY, GGUFValueType.UINT32)},
+     r"m\.gguf': tokenizer\.ggml\.tokens must be an array of strings, not ARRAY/UINT32"),
 ])
 def test_a_gguf_with_a_broken_tokenizer_is_named_in_one_line(tiny_hf, tmp_path, overrides, message):
     from fxllm.compiler.sources import load_tokenizer
@@ -187,3 +195,85 @@ def test_a_file_holding_more_layers_than_its_config_is_refused(tiny_hf, tmp_path
     with pytest.raises(ModelSourceError, match=r"holds 1 weight its config\.json has no place for \(e\.g\. "
                                                r"model\.layers\.7\.mlp\.up_proj\.weight\)"):
         load_model(resolve_source(stray))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.context_length", ("INT32", -5), r"llama\.context_length must be a positive integer, got -5"),  # compiled
+    ("llama.context_length", ("FLOAT64", 1e30), r"llama\.context_length must be a positive integer, got 1e\+30"),
+    ("llama.block_count", ("UINT32", 0), r"llama\.block_count must be a positive integer, got 0"),
+    ("llama.block_count", ("STRING", "2"), r"llama\.block_count must be a positive integer, got '2' \(STRING\)"),
+    ("llama.attention.head_count", ("UINT32", 0),
+     r"llama\.attention\.head_count must be a positive integer or an array of sizes"),
+    ("llama.rope.dimension_count", ("UINT32", 0), r"llama\.rope\.dimension_count must be a positive integer"),
+    ("llama.vocab_size", ("UINT32", 10**9),  # transformers asked for 256 GB for the embedding
+     r"its header's sizes describe at least 64,000,[\d,]+ weights, more than its [\d,]+ bytes can hold"),
+    ("general.architecture", ("UINT32", 1), r"no general\.architecture string \(TypeError: it is UINT32\)"),
+])
+def test_gguf_sizes_must_be_positive_integers(tiny_hf, tmp_path, key, value, message):
+    """A GGUF's size keys, as config.json's: a negative context compiled, 0 layers or heads and a string or float
+    failed in transformers with messages that named neither the key nor the file."""
+    from gguf import GGUFValueType
+
+    from fxllm.compiler.sources import check_supported
+    from tests.gguf_files import Typed, write_gguf
+
+    kind, raw = value
+    path = write_gguf(tiny_hf, tmp_path / "m.gguf", overrides={key: Typed(raw, GGUFValueType[kind])})
+    with pytest.raises(ModelSourceError, match=r"m\.gguf': " + message):
+        check_supported(resolve_source(path))
+
+
+@pytest.mark.parametrize("offset, message", [
+    (0, r"tensors token_embd\.weight and blk\.0\.attn_q\.weight overlap"),  # compiled, q a copy of the embedding
+    (33, r"tensor blk\.0\.attn_q\.weight starts at data offset 33, not a multiple of the file's alignment \(32\)"),
+])
+def test_gguf_tensor_offsets_must_be_aligned_and_disjoint(tiny_hf, tmp_path, offset, message):
+    from fxllm.compiler.sources import check_supported
+    from tests.gguf_files import patch_tensor_offset, write_gguf
+
+    path = write_gguf(tiny_hf, tmp_path / "m.gguf", "Q8_0")
+    patch_tensor_offset(path, "blk.0.attn_q.weight", offset)
+    with pytest.raises(ModelSourceError, match=r"m\.gguf': " + message):
+        check_supported(resolve_source(path))
+
+
+def test_a_gguf_load_failure_names_the_file(tiny_hf, tmp_path, monkeypatch):
+    """transformers' own load errors were reported against the folder holding the GGUF, not the file."""
+    import transformers
+
+    from fxllm.compiler.sources import load_model
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(tiny_hf, tmp_path / "m.gguf")
+
+    def failing(*args, **kwargs):
+        raise ValueError("GGUF model with architecture x is not supported yet.")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", failing)
+    with pytest.raises(ModelSourceError, match=r"cannot load model weights from '.*m\.gguf': GGUF model"):
+        load_model(resolve_source(path))
+
+
+@pytest.mark.parametrize("cut", ["header", "kv", "data", "kv count 2^63"])
+def test_a_truncated_gguf_is_named_as_such_without_allocating(tiny_hf, tmp_path, cut):
+    """gguf-py slices the file without bounds checks: a file cut short, or a count of 2^63 key-values, failed with
+    numpy's "index 0 is out of bounds" or "cannot reshape"; the message now says what it means, and nothing the
+    size of the count is allocated."""
+    import resource
+    import struct
+
+    from fxllm.compiler.sources import check_supported
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(tiny_hf, tmp_path / "m.gguf")
+    data = path.read_bytes()
+    if cut == "kv count 2^63":
+        data = data[:16] + struct.pack("<Q", 2**63) + data[24:]
+    else:
+        data = data[:{"header": 20, "kv": 300, "data": len(data) - 1000}[cut]]
+    path.write_bytes(data)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ModelSourceError, match=r"cannot read GGUF file '.*m\.gguf': .* \(the file is truncated, or a "
+                                               r"count, length or offset in its header runs past its end\)"):
+        check_supported(resolve_source(path))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000  # KiB
