@@ -131,6 +131,11 @@ def _gguf_value(reader, key: str) -> Any:
     return part.tolist()[0]
 
 
+def _gguf_type_name(field) -> str:
+    """A GGUF field's value type as its header states it (STRING, UINT32, ARRAY/STRING, ...)."""
+    return "/".join(kind.name for kind in field.types)
+
+
 def gguf_architecture(source: ModelSource) -> str:
     """The `general.architecture` a GGUF file declares (llama, qwen3moe, gemma2, ...)."""
     from gguf import GGUFValueType
@@ -139,7 +144,7 @@ def gguf_architecture(source: ModelSource) -> str:
     try:
         field = reader.fields["general.architecture"]
         if field.types != [GGUFValueType.STRING]:  # the bytes of a number decode too (an int: '\x01\x00\x00\x00')
-            raise TypeError(f"it is {'/'.join(kind.name for kind in field.types)}")
+            raise TypeError(f"it is {_gguf_type_name(field)}")
         return bytes(field.parts[field.data[0]]).decode()
     except Exception as exc:  # a header without it, or not a string
         raise ModelSourceError(f"cannot read GGUF file '{_gguf_path(source)}': no general.architecture string "
@@ -221,9 +226,9 @@ def _check_gguf_sizes(source: ModelSource, architecture: str) -> None:
     """Every GGUF_SIZE_KEYS value present is one positive integer, every GGUF_PER_LAYER_SIZE_KEYS value one or an
     array of sizes (>= 0, not all 0): the header's sizes as _check_config_sizes checks config.json's; then the
     weight count they imply (_check_gguf_weight_count)."""
-    fields = _gguf_reader(source).fields
+    reader = _gguf_reader(source)
     for name in GGUF_SIZE_KEYS + GGUF_PER_LAYER_SIZE_KEYS:
-        field = fields.get(f"{architecture}.{name}")
+        field = reader.fields.get(f"{architecture}.{name}")
         if field is None:
             continue
         values, is_array = _gguf_integers(field), len(field.types) > 1
@@ -233,8 +238,7 @@ def _check_gguf_sizes(source: ModelSource, architecture: str) -> None:
                 (is_array and not per_layer):
             what = "a positive integer or an array of sizes" if per_layer else "a positive integer"
             raise ModelSourceError(f"'{_gguf_path(source)}': {architecture}.{name} must be {what}, got "
-                                   f"{short(_gguf_value(_gguf_reader(source), f'{architecture}.{name}'))} "
-                                   f"({'/'.join(kind.name for kind in field.types)})")
+                                   f"{short(_gguf_value(reader, f'{architecture}.{name}'))} ({_gguf_type_name(field)})")
     _check_gguf_weight_count(source, architecture)
 
 
@@ -252,10 +256,10 @@ def _check_gguf_weight_count(source: ModelSource, architecture: str) -> None:
     feed_forward_total = feed_forward[0] * sizes("block_count")[0] if len(feed_forward) == 1 else sum(feed_forward)
     embedding = sizes("embedding_length")[0]
     weights = (sizes("vocab_size")[0] + feed_forward_total) * embedding
-    limit = GGUF_MAX_WEIGHTS_PER_BYTE * os.path.getsize(path)
-    if weights > limit:
+    file_bytes = os.path.getsize(path)
+    if weights > GGUF_MAX_WEIGHTS_PER_BYTE * file_bytes:
         raise ModelSourceError(f"'{path}': its header's sizes describe at least {weights:,} weights, more than its "
-                               f"{os.path.getsize(path):,} bytes can hold (no GGUF type stores a weight in under a "
+                               f"{file_bytes:,} bytes can hold (no GGUF type stores a weight in under a "
                                "bit); the sizes are corrupt")
 
 
@@ -313,7 +317,7 @@ def _check_gguf_tokenizer(source: ModelSource) -> None:
                                "tokenizer from the GGUF file itself")
     if tokens.types != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
         raise ModelSourceError(f"'{path}': tokenizer.ggml.tokens must be an array of strings, not "
-                               f"{'/'.join(kind.name for kind in tokens.types)}")
+                               f"{_gguf_type_name(tokens)}")
     kind = _gguf_value(reader, "tokenizer.ggml.model")
     if kind == "gpt2" and not {"tokenizer.ggml.merges", "tokenizer.ggml.scores"} & set(reader.fields):
         raise ModelSourceError(f"'{path}' has a byte-level BPE tokenizer (tokenizer.ggml.model 'gpt2') without its "
