@@ -13,6 +13,14 @@ A contiguous cache whose past inputs name dim 2 `capacity` (KV_CAPACITY) is a sh
 GroupQueryAttention lowering): past_{kind}_{layer} [batch, kv_heads, capacity, head_dim] holds the past in rows
 [0, total - tokens), total = attention_mask's length; the step writes its rows [total - tokens, total) in place and
 present_{kind}_{layer} is that same buffer, which the caller binds to the same memory (ModelIO.aliases).
+A paged pool whose inputs are [1, kv_heads, pool_slots_b{block_size}, head_dim] is head-major (the ort target's
+paged-run lowering): the runtime stores the pool as [2·layers, kv_heads, slots, head_dim] (one head of padding
+after it) and feeds each layer the C-contiguous view of that shape starting at the first block the batch reads
+(`first`), its block tables counted from `first`. A step of one row whose table is then 0, 1, ..., n - 1 (its
+blocks one ascending run: `is_block_run`) attends in the view itself, writing its K/V at rows
+context_lens + t: the caller binds new_{kind}_{layer} to the same memory as {kind}_cache_{layer} and writes
+nothing. Any other step gathers the blocks and returns its K/V as new_{kind}_{layer} [batch, kv_heads, tokens,
+head_dim], as the block-major pool does.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # logits and KV caches
 
 CONTIGUOUS, PAGED = "contiguous", "paged"
 KV_CAPACITY = "capacity"  # dim 2 of a shared-buffer contiguous cache (see the module docstring)
+_POOL_SLOTS = re.compile(r"^pool_slots_b([1-9][0-9]*)$")  # dim 2 of a head-major paged pool (the module docstring)
 CACHE_KINDS = ("key", "value")
 _CACHE_NAMES = {  # cache kind → (input pattern, output pattern)
     CONTIGUOUS: ("past_{kind}_{layer}", "present_{kind}_{layer}"),
@@ -88,6 +97,16 @@ def parse_cache_name(name: str) -> CacheTensor | None:
         return CacheTensor(PAGED, True, pool_kind, int(layer))
     cache = PAGED if prefix == "new" else CONTIGUOUS
     return CacheTensor(cache, prefix == "past", kind, int(layer))
+
+
+def head_major_pool_dims(block_size: int, kv_heads: int, head_dim: int) -> tuple[int | str, ...]:
+    """The dims of a head-major paged pool input (see the module docstring)."""
+    return (1, kv_heads, f"pool_slots_b{block_size}", head_dim)
+
+
+def is_block_run(tables: list[list[int]]) -> bool:
+    """A step the head-major pool runs in place: one row whose table, counted from its first block, is 0..n-1."""
+    return len(tables) == 1 and all(block == index for index, block in enumerate(tables[0]))
 
 
 @dataclass(frozen=True)
@@ -164,6 +183,7 @@ class ModelIO:
     num_layers: int
     block_size: int | None  # paged only
     selects_logits: bool
+    head_major_pool: bool = False  # paged: the pool is fed as head-major views (see the module docstring)
 
     @classmethod
     def from_signature(cls, inputs: list[TensorSig], outputs: list[TensorSig]) -> ModelIO:
@@ -198,17 +218,31 @@ class ModelIO:
                 problems.append(f"'{sig.name}' of rank {len(sig.dims)} (expected {rank})")
         if problems:
             raise ValueError(f"the signature is not a {cache}-cache calling convention: {'; '.join(problems)}")
-        block_size = None
+        block_size, head_major = None, False
         if cache == PAGED:
-            pool = next(sig for sig in inputs if sig.name == cache_input(PAGED, "key", 0))
-            block_size = pool.dims[1] if len(pool.dims) == 4 and isinstance(pool.dims[1], int) else None
+            pools = [sig for sig in inputs if parse_cache_name(sig.name) is not None]
+            pool = pools[0]
+            slots = _POOL_SLOTS.match(pool.dims[2]) if isinstance(pool.dims[2], str) else None
+            head_major = slots is not None
+            if head_major:
+                block_size = int(slots.group(1))
+            else:
+                block_size = pool.dims[1] if isinstance(pool.dims[1], int) else None
             if block_size is None or block_size < 1:
                 raise ValueError(f"the paged pool '{pool.name}' has no fixed block size: dims {list(pool.dims)}")
-        return cls(tuple(inputs), tuple(outputs), cache, layers, block_size, LOGITS_INDEX in input_names)
+            if any(sig.dims != pool.dims for sig in pools):
+                raise ValueError(f"the paged pools differ in shape ('{pool.name}' has dims {list(pool.dims)})")
+        return cls(tuple(inputs), tuple(outputs), cache, layers, block_size, LOGITS_INDEX in input_names, head_major)
 
     @property
     def paged(self) -> bool:
         return self.cache == PAGED
+
+    @property
+    def kv_heads_and_dim(self) -> tuple[int | str, int | str]:
+        """(kv_heads, head_dim) of the caches, read from layer 0's key input in its layout."""
+        dims = next(sig for sig in self.inputs if sig.name == cache_input(self.cache, "key", 0)).dims
+        return (dims[2], dims[3]) if self.paged and not self.head_major_pool else (dims[1], dims[3])
 
     @property
     def shared_buffer(self) -> bool:

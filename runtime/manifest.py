@@ -18,7 +18,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from fxllm.errors import ArtifactError
 from fxllm.runtime.artifact_files import check_tokenizer_dir, confine, verify_files
 from fxllm.runtime.contract import (ARTIFACT_KIND, FLOAT_DTYPES, FORMAT_VERSION, MANIFEST_FILE, MAX_SPEC_K, TARGETS,
-                                    ModelIO, ModelSpec, TensorSig, cache_input)
+                                    ModelIO, ModelSpec, TensorSig)
 
 DRAFT_MODES = ("model", "self-int4", "self-layers", "ngram")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -208,8 +208,7 @@ def _io(data: dict[str, Any], spec: ModelSpec, fields_: _Fields) -> ModelIO:
         fields_.fail("io", str(exc))
     if io.num_layers != spec.num_layers:
         fields_.fail("io", f"has KV caches for {io.num_layers} layers, the spec {spec.num_layers}")
-    pool = next(sig for sig in io.inputs if sig.name == cache_input(io.cache, "key", 0))
-    heads, head_dim = (pool.dims[2], pool.dims[3]) if io.paged else (pool.dims[1], pool.dims[3])
+    heads, head_dim = io.kv_heads_and_dim
     if (heads, head_dim) != (spec.num_kv_heads, spec.head_dim):
         fields_.fail("io", f"caches {heads} KV heads of {head_dim}, the spec {spec.num_kv_heads} of {spec.head_dim}")
     if io.outputs[0].dims[-1] != spec.vocab_size:

@@ -25,9 +25,9 @@ import numpy as np
 
 from fxllm.runtime.backend import Backend, StepFeeds
 from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, LOGITS, LOGITS_INDEX,
-                                    POSITION_IDS, ModelIO, ModelSpec)
+                                    POSITION_IDS, ModelIO, ModelSpec, is_block_run)
 from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache, new_contiguous_cache
-from fxllm.runtime.paged_cache import PagedKVPool
+from fxllm.runtime.paged_cache import HeadMajorKVPool, PagedKVPool
 from fxllm.runtime.scheduler import PREFILL, ScheduledBatch
 
 
@@ -39,7 +39,7 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, backend: Backend, io: ModelIO, spec: ModelSpec, pad_token_id: int = 0,
-                 pool: PagedKVPool | None = None, prefill_tokens: int | None = None):
+                 pool: PagedKVPool | HeadMajorKVPool | None = None, prefill_tokens: int | None = None):
         self.backend = backend
         self.prefill_tokens = prefill_tokens  # contiguous prefill: tokens a call (None: the whole batch in one)
         self._empty_selection = getattr(backend, "allows_empty_selection", False)
@@ -58,6 +58,7 @@ class ModelRunner:
         pool = None
         if io.paged:
             make = getattr(backend, "new_paged_pool", PagedKVPool)  # a backend may keep the pool on its device
+            make = HeadMajorKVPool if io.head_major_pool else make
             pool = make(io.num_layers, num_blocks, io.block_size, spec.num_kv_heads, spec.head_dim)
         return cls(backend, io, spec, pad_token_id, pool, prefill_tokens)
 
@@ -174,7 +175,8 @@ class ModelRunner:
         """Rows at their own positions, padded at the end to the longest; the pool takes their new K/V at
         batch.slots. The model sees the slice of the pool that the batch's blocks span, and block tables counted
         from its first block (padded with that block, never visible): a pool-reading attention (ort
-        paged-attention) then reads no block outside it."""
+        paged-attention) then reads no block outside it. A head-major pool's step of one sequence whose blocks form
+        a run writes its K/V into the pool itself (runtime/contract.py)."""
         self.pool.copy_blocks(batch.copies)
         lengths = [len(ids) for ids in batch.token_ids]
         width, rows = max(lengths), len(lengths)
@@ -188,12 +190,14 @@ class ModelRunner:
             input_ids[row, :len(ids)] = ids
             slots[row, :len(ids)] = row_slots
         table -= first
+        run = self.io.head_major_pool and is_block_run(table.tolist())  # the step writes its K/V in place
         positions = np.asarray(batch.positions, dtype=np.int64)
         offsets = np.minimum(np.arange(width, dtype=np.int64), np.asarray(lengths, dtype=np.int64)[:, None] - 1)
         all_positions = batch.prompt_logits or batch.drafts is not None or min(lengths) != width
         feeds = StepFeeds({INPUT_IDS: input_ids, POSITION_IDS: positions[:, None] + offsets, BLOCK_TABLES: table,
                            CONTEXT_LENS: positions, **self._logits_index(width, all_positions, batch.sample)},
-                          self.pool.feeds(first, end), self.pool.new_kv_buffers(rows, width))
+                          self.pool.feeds(first, end),
+                          self.pool.run_outputs(first) if run else self.pool.new_kv_buffers(rows, width))
         outputs = self.backend.run(feeds)
         self.pool.write(outputs, slots)
         logits = outputs[LOGITS]

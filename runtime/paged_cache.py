@@ -81,3 +81,80 @@ class PagedKVPool:
         """Copy-on-write: duplicate source blocks into their new private blocks."""
         for source, target in pairs:
             self._pools[:, target] = self._pools[:, source]
+
+
+class HeadMajorKVPool:
+    """The pool of a head-major paged artifact (runtime/contract.py): one allocation [2·layers, kv_heads, slots,
+    head_dim] plus one head of padding, tensor i (layer i's keys, then every layer's values) fed as the
+    C-contiguous [1, kv_heads, slots, head_dim] view that starts at the first block a step reads: head h of the
+    view is head h of the tensor from that block on (the last head's view runs past its tensor into the next one,
+    or the padding, rows the step never reads). A step of one sequence whose blocks form a run writes its K/V in
+    place (`run_outputs`); any other step's new K/V are written here (`write`), as in PagedKVPool."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int):
+        self.block_size = block_size
+        slots = num_blocks * block_size
+        tensors = 2 * num_layers
+        self._flat = np.zeros((tensors * kv_heads + 1) * slots * head_dim, np.float32)
+        self._pools = self._flat[:tensors * kv_heads * slots * head_dim].reshape(tensors, kv_heads, slots, head_dim)
+        self._names = [cache_input(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
+        self._outputs = [cache_output(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
+        self._view_shape = (1, kv_heads, slots, head_dim)
+        self._feeds: tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+        self._staging: np.ndarray | None = None  # [2·layers, B, Hkv, T, D]
+        self._staging_feeds: dict[str, np.ndarray] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self._flat.nbytes
+
+    def feeds(self, first: int = 0, end: int | None = None) -> dict[str, np.ndarray]:
+        """Every tensor's view from block `first` on (`end` is not needed: a view always spans the pool's slots);
+        the same `first` again gives the same dict (StepFeeds.state: a backend keeps its bindings)."""
+        return self._views(first)[0]
+
+    def run_outputs(self, first: int) -> dict[str, np.ndarray]:
+        """Destinations for a run step's new_key_i / new_value_i: the views `feeds(first)` gives, so the step's K/V
+        land in the pool (StepFeeds.outputs; `write` then has nothing to do)."""
+        return self._views(first)[1]
+
+    def _views(self, first: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        if self._feeds is None or self._feeds[0] != first:
+            size = int(np.prod(self._view_shape))
+            rows = self._pools.shape[1] * self._pools.shape[2]
+            start = first * self.block_size * self._pools.shape[3]
+            views = [self._flat[start + i * rows * self._pools.shape[3]:][:size].reshape(self._view_shape)
+                     for i in range(len(self._names))]
+            self._feeds = first, dict(zip(self._names, views)), dict(zip(self._outputs, views))
+        return self._feeds[1], self._feeds[2]
+
+    def new_kv_buffers(self, batch: int, tokens: int) -> dict[str, np.ndarray]:
+        """Destinations for a gathering step's new_key_i / new_value_i [batch, Hkv, tokens, D] (see
+        PagedKVPool.new_kv_buffers)."""
+        shape = (len(self._outputs), batch, self._pools.shape[1], tokens, self._pools.shape[3])
+        if self._staging is None or self._staging.shape != shape:
+            self._staging = np.empty(shape, np.float32)
+            self._staging_feeds = dict(zip(self._outputs, self._staging))
+        return self._staging_feeds
+
+    def write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
+        """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset; -1: padding,
+        not written); nothing when the outputs are a run step's views (already in place)."""
+        if self._feeds is not None and all(outputs.get(name) is view for name, view in self._feeds[2].items()):
+            return
+        valid = (slots >= 0).ravel()
+        staged = bool(self._staging_feeds) and all(outputs[name] is array
+                                                   for name, array in self._staging_feeds.items())
+        new = self._staging if staged else np.stack([outputs[name] for name in self._outputs])
+        tensors, batch, heads, tokens, dim = new.shape
+        new = new.transpose(0, 2, 1, 3, 4).reshape(tensors, heads, batch * tokens, dim)  # [2L, Hkv, B·T, D]
+        if valid.all():
+            self._pools[:, :, slots.ravel()] = new
+        else:
+            self._pools[:, :, slots.ravel()[valid]] = new[:, :, valid]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate source blocks into their new private blocks."""
+        size = self.block_size
+        for source, target in pairs:
+            self._pools[:, :, target * size:(target + 1) * size] = self._pools[:, :, source * size:(source + 1) * size]

@@ -28,19 +28,19 @@ def contiguous_tokens(make_tiny_artifact):
 def test_paged_graph_form(paged_artifact):
     model = onnx.load(str(paged_artifact / "model.onnx"), load_external_data=False)
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
-    assert inputs["key_cache_0"] == ["blocks", 4, 2, 16]
+    assert inputs["key_cache_0"] == [1, 2, "pool_slots_b4", 16]  # head-major views (ort paged-run)
     assert inputs["block_tables"] == ["batch", "table"] and inputs["context_lens"] == ["batch"]
     assert "attention_mask" not in inputs and not any(name.startswith("past_") for name in inputs)
     outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     assert outputs["new_key_1"] == ["batch", 2, "tokens", 16]
     # standard ops, but for the norms and the attention the ort target's legalization makes (compiler/targets/ort):
-    # each layer's attention is an If of the pool form (FusedMatMul) and the gathered one (GroupQueryAttention)
+    # each layer's attention is an If of GroupQueryAttention in the pool and the gathered forms
     nodes = list(_all_nodes(model.graph))
     contrib = {n.op_type for n in nodes if n.domain not in ("", "ai.onnx")}
-    assert contrib == {"SkipSimplifiedLayerNormalization", "FusedMatMul", "GroupQueryAttention"}
-    ifs = [n for n in model.graph.node if n.op_type == "If" and n.name.startswith("paged_attention_")]
+    assert contrib == {"SkipSimplifiedLayerNormalization", "GroupQueryAttention"}
+    ifs = [n for n in model.graph.node if n.op_type == "If" and n.name.startswith("paged_run_attention_")]
     assert len(ifs) == 2  # one per layer
-    assert not any(n.op_type in ("ScatterND", "ScatterElements") for n in nodes)  # the pool is read only
+    assert not any(n.op_type in ("ScatterND", "ScatterElements") for n in nodes)  # the pool is written in place
     assert not any(n.op_type == "Transpose" and n.input[0].startswith("key_cache") for n in nodes)
     assert {f.op for f in audit_file(paged_artifact)} == {f"com.microsoft.{op}" for op in contrib}
 

@@ -1,6 +1,7 @@
-"""ort paged-attention: the pool-reading form (one sequence, a slice about its size) and the gathered form (the
+"""ort paged-attention (the block-major pool that sliding-window models keep; full attention takes paged-run,
+tests/test_paged_run.py): the pool-reading form (one sequence, a slice about its size) and the gathered form (the
 whole pool) give the same logits and new K/V on the same inputs — shuffled blocks, a block listed twice (a
-released block's stand-in), a partly filled last block, a sliding window — and each form really ran."""
+released block's stand-in), a partly filled last block — and each form really ran."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ BLOCK = 4
 PASSES = f"cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size={BLOCK}"
 
 
-@pytest.fixture(scope="module", params=[0, 6], ids=["full-attention", "window-6"])
-def artifact(request, tmp_path_factory, tokenizer):
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, tokenizer):
+    from transformers import AutoModelForCausalLM, MistralConfig
 
-    window = request.param
-    config = MistralConfig(**TINY_COMMON, sliding_window=window) if window else LlamaConfig(**TINY_COMMON)
+    window = 6
+    config = MistralConfig(**TINY_COMMON, sliding_window=window)
     torch.manual_seed(0)
     directory = tmp_path_factory.mktemp(f"paged-attention-w{window}")
     AutoModelForCausalLM.from_config(config).eval().save_pretrained(directory / "model")
@@ -52,16 +53,14 @@ def test_the_pool_form_equals_the_gathered_form(artifact, tmp_path):
     entries = -(-(context + new) // BLOCK)  # 38 table entries
     first, end = 10, 80  # the slice the sequence spans: 70 blocks (at most twice its 38, >= 128 slots)
     table = rng.permutation(np.arange(first, end))[:entries]
-    if "w6" in artifact.parent.name:  # released blocks' entries hold a stand-in: the first kept block
-        table[:30] = table[30]
+    table[:30] = table[30]  # released blocks' entries hold a stand-in: the first kept block
     table = table[None]
     common = {"input_ids": rng.integers(3, 1000, (1, new)), "position_ids": np.arange(context, context + new)[None],
               "logits_index": np.arange(new), "context_lens": np.asarray([context])}
     gathered, gathered_ops = _run(artifact / "model.onnx", {**common, "block_tables": table, **pools}, tmp_path)
     sliced = {name: pool[first:end] for name, pool in pools.items()}
     viewed, viewed_ops = _run(artifact / "model.onnx", {**common, "block_tables": table - first, **sliced}, tmp_path)
-    assert "FusedMatMul" in viewed_ops and "FusedMatMul" not in gathered_ops
-    assert {"Attention", "GroupQueryAttention"} & gathered_ops  # GQA where no layer slides
+    assert "FusedMatMul" in viewed_ops and "FusedMatMul" not in gathered_ops and "Attention" in gathered_ops
     assert np.isfinite(gathered["logits"]).all()
     for name, value in gathered.items():
         np.testing.assert_allclose(viewed[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
@@ -95,47 +94,3 @@ def test_a_paged_step_writes_its_new_kv_into_the_pools_reused_arrays(artifact):
     for given, outputs in decodes:
         assert all(outputs[name] is array for name, array in given.items())
         assert set(given) == {name for name in outputs if name.startswith("new_")}
-
-
-@pytest.fixture(scope="module")
-def packed_pair(tmp_path_factory, tokenizer):
-    """A full-attention model compiled paged for `ort` (its gathered form GroupQueryAttention with packed q/k/v)
-    and without any ort legalization step (the standard form: Gather + Concat + Attention, separate rotaries)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(1)
-    directory = tmp_path_factory.mktemp("paged-packed")
-    AutoModelForCausalLM.from_config(LlamaConfig(**TINY_COMMON)).eval().save_pretrained(directory / "model")
-    tokenizer.save_pretrained(directory / "model")
-    fxllm.compile(directory / "model", directory / "ort", passes=PASSES)
-    fxllm.compile(directory / "model", directory / "standard", passes=PASSES, ort_steps=[])
-    return directory / "ort", directory / "standard"
-
-
-@pytest.mark.parametrize("contexts,new,form", [([37], 3, "GroupQueryAttention"),
-                                               ([5, 22, 13], 1, "GroupQueryAttention"),
-                                               ([9, 30], 2, "Attention")],
-                         ids=["one-row-several-tokens", "rows-one-token", "rows-several-tokens"])
-def test_the_packed_gathered_form_equals_the_standard_form(packed_pair, tmp_path, contexts, new, form):
-    """GroupQueryAttention on the gathered past rotates q and k itself (do_rotary, packed q/k/v) and the step's
-    K/V are taken out of its present: logits and new K/V equal the standard form's on shuffled blocks, for one row
-    feeding several tokens after its context and for rows of different lengths feeding one token each; rows feeding
-    several tokens each take the Attention form (the kernel's rule)."""
-    ort_artifact, standard = packed_pair
-    rng = np.random.default_rng(len(contexts))
-    layers, kv_heads, head_dim, blocks = 2, TINY_COMMON["num_key_value_heads"], 16, 100
-    pools = {f"{kind}_cache_{layer}": rng.standard_normal((blocks, BLOCK, kv_heads, head_dim)).astype(np.float32)
-             for layer in range(layers) for kind in ("key", "value")}
-    entries = max(-(-(context + new) // BLOCK) for context in contexts)
-    order = rng.permutation(blocks)  # distinct blocks for every row, anywhere in the pool (no view fits)
-    table = np.stack([order[row * entries:(row + 1) * entries] for row in range(len(contexts))])
-    lens = np.asarray(contexts)
-    feeds = {"input_ids": rng.integers(3, 1000, (len(contexts), new)), "position_ids": lens[:, None] + np.arange(new),
-             "logits_index": np.arange(new), "context_lens": lens, "block_tables": table, **pools}
-    packed, ops = _run(ort_artifact / "model.onnx", feeds, tmp_path)
-    expected, _ = _run(standard / "model.onnx", feeds, tmp_path)
-    assert form in ops and "FusedMatMul" not in ops
-    assert ("RotaryEmbedding" in ops) == (form == "Attention")  # GroupQueryAttention rotates q and k itself
-    assert set(packed) == set(expected) and np.isfinite(packed["logits"]).all()
-    for name, value in expected.items():
-        np.testing.assert_allclose(packed[name], value, rtol=1e-4, atol=1e-5, err_msg=name)

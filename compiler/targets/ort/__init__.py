@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from fxllm.compiler.targets.ort import (attention_rotary, group_query_attention, int4_zero_points, paged_attention,
-                                        skip_rms_norm, split_projections, untie_quantized_head)
+                                        paged_run, skip_rms_norm, split_projections, untie_quantized_head)
 from fxllm.compiler.targets.ort.graph import MS_DOMAIN, remove_unused
 from fxllm.errors import UnsupportedModelError
 from fxllm.runtime.contract import ModelSpec, TensorSig
@@ -45,6 +45,7 @@ STEPS: tuple[Step, ...] = (
     Step(untie_quantized_head.NAME, untie_quantized_head.apply),
     Step(group_query_attention.NAME, group_query_attention.apply),
     Step(attention_rotary.NAME, attention_rotary.apply),
+    Step(paged_run.NAME, paged_run.apply),  # where it applies, paged-attention finds nothing left to rewrite
     Step(paged_attention.NAME, paged_attention.apply),
     Step(split_projections.NAME, split_projections.apply),  # after the steps that read a fused q/k/v whole
     Step(skip_rms_norm.NAME, skip_rms_norm.apply),

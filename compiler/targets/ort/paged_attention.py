@@ -89,7 +89,7 @@ def apply(model: ir.Model, context) -> int:
     if BLOCK_TABLES not in inputs or CONTEXT_LENS not in inputs or INPUT_IDS not in inputs:
         return 0
     attentions = [n for n in graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
-    sites = [_match(node, inputs) for node in attentions]
+    sites = [match_site(node, inputs) for node in attentions]
     if not sites or any(site is None for site in sites):
         return 0
     pool_dims = static_dims(sites[0].pools[0])
@@ -105,13 +105,13 @@ def apply(model: ir.Model, context) -> int:
     gqa = not any(windows) and kernel_takes_head_dim(sites[0].head_dim)
     shared = _Shared(build, inputs, sites[0], block_size, first, gqa)
     biases = shared.biases(sorted({windows[site.layer] for site in sites}))
-    tables = _rotary_tables(model, build, sites, inputs, context) if gqa else None
+    tables = rotary_tables(model, build, sites, inputs, context) if gqa else None
     for site in sites:
         attention = site.attention
         q3 = as_bsd(build, site.q, site.q_heads, site.head_dim, attention)
         k3 = as_bsd(build, site.new[0], site.kv_heads, site.head_dim, attention)
         v3 = as_bsd(build, site.new[1], site.kv_heads, site.head_dim, attention)
-        packed = _packed(site, q3, k3, v3) if tables is not None else None
+        packed = packed_form(site, q3, k3, v3) if tables is not None else None
         if packed is not None:
             _rewrite_packed(build, site, shared, biases[windows[site.layer]], packed,
                             tables[id(packed.q_rotary.inputs[1])])
@@ -120,7 +120,7 @@ def apply(model: ir.Model, context) -> int:
     return len(sites)
 
 
-def _match(attention: ir.Node, inputs: dict[str, ir.Value]) -> Site | None:
+def match_site(attention: ir.Node, inputs: dict[str, ir.Value]) -> Site | None:
     """Attention(q, Concat(Gather(Reshape(key_cache_i), rows), k), Concat(Gather(Reshape(value_cache_i), rows), v),
     bool mask), 4D, no soft-capping."""
     if len(attention.inputs) != 4 or any(v is None for v in attention.inputs):
@@ -234,12 +234,12 @@ class _Shared:
     def biases(self, windows: list[int]) -> dict[int, ir.Value]:
         """One bias [B·T, slots + B·T] per sliding window (0: none), computed by an If that runs only when the
         pool form will (else empty)."""
-        body = _Body(self.build.origin, "paged_view_bias")
+        body = Body(self.build.origin, "paged_view_bias")
         visible = {window: self._visibility(body, window) for window in windows}
         zero = body.constant(np.asarray(0.0, dtype=np.float32))
         lowest = body.constant(np.asarray(LOWEST, dtype=np.float32))
         then_outputs = [body.node("Where", [visible[window], zero, lowest]) for window in windows]
-        empty = _Body(self.build.origin, "paged_view_no_bias")
+        empty = Body(self.build.origin, "paged_view_no_bias")
         else_outputs = [empty.node("Identity", [empty.constant(np.zeros((0, 0), dtype=np.float32))])
                         for _ in windows]
         node = self.build.node("If", [self.fits], {"then_branch": body.graph("paged_view_bias", then_outputs),
@@ -249,7 +249,7 @@ class _Shared:
             value.name, value.dtype = f"paged_view_bias_w{window}", ir.DataType.FLOAT
         return dict(zip(windows, node.outputs))
 
-    def _visibility(self, body: _Body, window: int) -> ir.Value:
+    def _visibility(self, body: Body, window: int) -> ir.Value:
         """bool [B·T, slots + B·T] (see the module docstring)."""
         n, c = body.node, body.constant
         int64 = lambda *v: c(np.asarray(v, dtype=np.int64))  # noqa: E731
@@ -286,7 +286,7 @@ class _Shared:
         return n("Concat", [pool_part, new_part], {"axis": 1})
 
 
-class _Body:
+class Body:
     """Nodes of a subgraph (an If branch) under construction; they may read the outer graph's values."""
 
     def __init__(self, origin: str, prefix: str):
@@ -323,7 +323,7 @@ class _Body:
         return ir.Graph([], outputs, nodes=[*before, *self.nodes], name=name)
 
 
-def _pool_attention(view: _Body, site: Site, shared: _Shared, bias: ir.Value,
+def _pool_attention(view: Body, site: Site, shared: _Shared, bias: ir.Value,
                     bsd: tuple[ir.Value, ir.Value, ir.Value], flat: bool) -> ir.Value:
     """The pool form of one layer's attention (the module docstring), added to `view`, on q, k, v [B, T, H·D]:
     its output [B, T, Hq·D] when `flat`, else [B, Hq, T, D]."""
@@ -356,7 +356,7 @@ class Packed:
     k_rotary: ir.Node
 
 
-def _packed(site: Site, q3: ir.Value, k3: ir.Value, v3: ir.Value) -> Packed | None:
+def packed_form(site: Site, q3: ir.Value, k3: ir.Value, v3: ir.Value) -> Packed | None:
     """The site's Packed form, when its step K/V are graph outputs (new_key_i, new_value_i) and its rotaries are
     full-width ones of one cos/sin pair."""
     if not (site.new[0].is_graph_output() and site.new[1].is_graph_output()):
@@ -378,7 +378,7 @@ def _packed(site: Site, q3: ir.Value, k3: ir.Value, v3: ir.Value) -> Packed | No
     return Packed(qkv, split, q_rotary, k_rotary)
 
 
-def _rotary_tables(model: ir.Model, build: Builder, sites: list[Site], inputs: dict[str, ir.Value],
+def rotary_tables(model: ir.Model, build: Builder, sites: list[Site], inputs: dict[str, ir.Value],
                    context) -> dict[int, tuple[ir.Value, ir.Value]] | None:
     """{id(cos): (cos_table, sin_table)} for every site's rotary (attention-rotary's tables, same rules), or None
     when one site has none or its cos/sin cannot become tables."""
@@ -426,7 +426,7 @@ def _rewrite_packed(build: Builder, site: Site, shared: _Shared, bias: ir.Value,
     build.graph.remove([key_gather, value_gather, key_concat, value_concat, attention])
     kv_head_shape = shared.kv_head_shape(site.kv_heads, site.head_dim)
 
-    fused = _Body(origin, f"paged_gqa_{site.layer}")
+    fused = Body(origin, f"paged_gqa_{site.layer}")
     attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads, "scale": site.scale, "do_rotary": 1,
                   "rotary_interleaved": packed.q_rotary.attributes.get_int("interleaved", 0)}
     out, present_key, present_value = fused.node(
@@ -440,35 +440,35 @@ def _rewrite_packed(build: Builder, site: Site, shared: _Shared, bias: ir.Value,
         out = fused.heads(out, shared.head_shape)
     gqa_branch = fused.graph(f"paged_gqa_{site.layer}", [out, new_key, new_value])
 
-    def separate_rotaries(body: _Body) -> tuple[ir.Value, ...]:
+    def separate_rotaries(body: Body) -> tuple[ir.Value, ...]:
         """q3, k3, v3 [B, T, H·D] and the step's k, v [B, Hkv, T, D] (the outputs' layout), computed in `body`."""
         q_part, k_part, v3 = body.copy(packed.split)
         q3 = body.copy(packed.q_rotary, [q_part, *packed.q_rotary.inputs[1:]])
         k3 = body.copy(packed.k_rotary, [k_part, *packed.k_rotary.inputs[1:]])
         return q3, k3, v3, body.heads(k3, kv_head_shape), body.heads(v3, kv_head_shape)
 
-    view = _Body(origin, f"paged_view_{site.layer}")
+    view = Body(origin, f"paged_view_{site.layer}")
     q3, k3, v3, k4, v4 = separate_rotaries(view)
     out = _pool_attention(view, site, shared, bias, (q3, k3, v3), flat)
     view_branch = view.graph(f"paged_view_attention_{site.layer}", [out, k4, v4])
 
-    standard = _Body(origin, f"paged_gathered_attention_{site.layer}")
+    standard = Body(origin, f"paged_gathered_attention_{site.layer}")
     q3, _, _, k4, v4 = separate_rotaries(standard)
     keys = standard.copy(key_concat, [key_gather.outputs[0], k4])
     values = standard.copy(value_concat, [value_gather.outputs[0], v4])
-    result = _moved_attention(standard, attention, [q3, keys, values, mask], shared, flat)
+    result = moved_attention(standard, attention, [q3, keys, values, mask], shared, flat)
     standard_branch = standard.graph(f"paged_gathered_attention_{site.layer}", [result, k4, v4],
                                      before=[key_gather, value_gather])
 
-    _detach([attention, key_concat, value_concat])
+    detach([attention, key_concat, value_concat])
     replaced = flat_chain[-1].outputs[0] if flat else attention.outputs[0]
-    node = _gqa_first(build, shared, site.layer, gqa_branch, view_branch, standard_branch, _first_use(replaced))
-    _take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
+    node = _gqa_first(build, shared, site.layer, gqa_branch, view_branch, standard_branch, first_use(replaced))
+    take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
     take_place(site.new[0], node.outputs[1], "separate_rotary")
     take_place(site.new[1], node.outputs[2], "separate_rotary")
     if flat:
         build.graph.remove(flat_chain)
-        _detach(flat_chain)
+        detach(flat_chain)
 
 
 def _gqa_first(build: Builder, shared: _Shared, layer: int, gqa: ir.Graph, view: ir.Graph, standard: ir.Graph,
@@ -476,7 +476,7 @@ def _gqa_first(build: Builder, shared: _Shared, layer: int, gqa: ir.Graph, view:
     """The layer's If(not view_fits and the kernel takes the step, `gqa`, If(view_fits, `view`, `standard`)), one
     output per branch output, placed before `before`."""
     outputs = len(gqa.outputs)
-    rest = _Body(build.origin, f"paged_rest_{layer}")
+    rest = Body(build.origin, f"paged_rest_{layer}")
     choice = rest.node("If", [shared.fits], {"then_branch": view, "else_branch": standard}, outputs=outputs)
     choice = [choice] if outputs == 1 else list(choice)
     return build.node("If", [shared.gqa_first],
@@ -484,7 +484,7 @@ def _gqa_first(build: Builder, shared: _Shared, layer: int, gqa: ir.Graph, view:
                       before=before, outputs=outputs, name=f"paged_attention_{layer}")
 
 
-def _moved_attention(body: _Body, attention: ir.Node, inputs: list[ir.Value], shared: _Shared, flat: bool) -> ir.Value:
+def moved_attention(body: Body, attention: ir.Node, inputs: list[ir.Value], shared: _Shared, flat: bool) -> ir.Value:
     """The model's Attention, rebuilt in `body` on (q [B, T, Hq·D], keys, values, mask) with its attributes and
     origin: its output [B, T, Hq·D] when `flat`, else [B, Hq, T, D]."""
     q3, *rest = inputs
@@ -498,14 +498,14 @@ def _moved_attention(body: _Body, attention: ir.Node, inputs: list[ir.Value], sh
     return result
 
 
-def _detach(nodes) -> None:
+def detach(nodes) -> None:
     """Disconnect removed nodes from their inputs (their values' uses then list only live nodes)."""
     for node in nodes:
         for index in range(len(node.inputs)):
             node.replace_input_with(index, None)
 
 
-def _take_output(value: ir.Value, replaced: ir.Value, name: str) -> None:
+def take_output(value: ir.Value, replaced: ir.Value, name: str) -> None:
     """`value` (an If's output) replaces `replaced` everywhere, under `name`, with its dtype and shape."""
     value.name, value.dtype = name, replaced.dtype
     value.shape = None if replaced.shape is None else ir.Shape(list(replaced.shape.dims))
@@ -529,22 +529,22 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
         _output_from(build, site.new[0], k3, site.kv_heads, site.head_dim, attention)
     flat_chain = flat_consumer(attention.outputs[0])
     flat_output = flat_chain[-1].outputs[0] if flat_chain else None
-    view = _Body(build.origin, f"paged_view_{site.layer}")
+    view = Body(build.origin, f"paged_view_{site.layer}")
     out = _pool_attention(view, site, shared, bias, (q3, k3, v3), flat_output is not None)
     then_branch = view.graph(f"paged_view_attention_{site.layer}", [out])
 
     key_gather, value_gather, key_concat, value_concat = site.gathered
     build.graph.remove([key_gather, value_gather, key_concat, value_concat, attention])
-    standard = _Body(build.origin, f"paged_gathered_attention_{site.layer}")  # Concat + Attention, moved
+    standard = Body(build.origin, f"paged_gathered_attention_{site.layer}")  # Concat + Attention, moved
     flat = flat_output is not None
     replaced = flat_output if flat else attention.outputs[0]
-    result = _moved_attention(standard, attention, [q3, *attention.inputs[1:]], shared, flat)
-    _detach([attention])
+    result = moved_attention(standard, attention, [q3, *attention.inputs[1:]], shared, flat)
+    detach([attention])
     if not gqa:
         else_branch = standard.graph(f"paged_gathered_{site.layer}", [result],
                                      before=[key_gather, value_gather, key_concat, value_concat])
         node = build.node("If", [shared.fits], {"then_branch": then_branch, "else_branch": else_branch},
-                          before=_first_use(replaced), name=f"paged_attention_{site.layer}")
+                          before=first_use(replaced), name=f"paged_attention_{site.layer}")
     else:
         # If(not view_fits and the kernel takes the step: GroupQueryAttention over the gathered past [B, Hkv,
         # table slots, D] (the op places the step's keys after each row's context_lens in its own present copy
@@ -552,7 +552,7 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
         # form, Concat + Attention over a gathered past of its own)). The common path runs one If (see
         # _rewrite_packed). ONNX Runtime's kernel takes several new tokens with a past only for one row: a batch
         # of several rows feeding several tokens each (speculative verification) takes the Attention form
-        fused = _Body(build.origin, f"paged_gqa_{site.layer}")
+        fused = Body(build.origin, f"paged_gqa_{site.layer}")
         attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads, "scale": site.scale}
         out = fused.node("GroupQueryAttention", [q3, k3, v3, fused.copy(key_gather), fused.copy(value_gather),
                                                  shared.seqlens, shared.total], attributes,
@@ -562,11 +562,11 @@ def _rewrite(build: Builder, site: Site, shared: _Shared, bias: ir.Value, gqa: b
         standard_branch = standard.graph(f"paged_gathered_attention_{site.layer}", [result],
                                          before=[key_gather, value_gather, key_concat, value_concat])
         node = _gqa_first(build, shared, site.layer, fused.graph(f"paged_gqa_{site.layer}", [out]), then_branch,
-                          standard_branch, _first_use(replaced))
-    _take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
+                          standard_branch, first_use(replaced))
+    take_output(node.outputs[0], replaced, f"paged_attention_{site.layer}")
     if flat_chain:
         build.graph.remove(flat_chain)
-        _detach(flat_chain)
+        detach(flat_chain)
 
 
 def _output_from(build: Builder, output: ir.Value, flat: ir.Value, heads: int, head_dim: int,
@@ -579,7 +579,7 @@ def _output_from(build: Builder, output: ir.Value, flat: ir.Value, heads: int, h
     take_place(output, back, "4d_rotary")
 
 
-def _first_use(value: ir.Value) -> ir.Node:
+def first_use(value: ir.Value) -> ir.Node:
     graph = value.uses()[0][0].graph
     users = {id(node) for node, _ in value.uses()}
     return next(node for node in graph if id(node) in users)
