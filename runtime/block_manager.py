@@ -120,7 +120,9 @@ class BlockManager:
             raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks)
         for block in hits:
             self._pool.acquire(block)
-        blocks = hits + [self._pool.take() for _ in range(self.blocks_needed(len(tokens)) - len(hits))]
+        blocks = list(hits)
+        for _ in range(self.blocks_needed(len(tokens)) - len(hits)):
+            blocks.append(self._pool.take(after=blocks[-1] if blocks else None))
         cached = len(hits) * self.block_size
         self._seqs[seq_id] = SequenceBlocks(blocks, tokens[:cached], len(tokens), hashes)
         if self.enable_prefix_caching and reuse_cached:
@@ -142,11 +144,12 @@ class BlockManager:
             raise OutOfBlocks(len(cow) + new, self.num_free_blocks, self.num_blocks)
         copies = []
         for i in cow:
-            src, dst = seq.blocks[i], self._pool.take()
+            src, dst = seq.blocks[i], self._pool.take(after=seq.blocks[i - 1] if i else None)
             self._pool.release(src)  # stays held: another sequence still holds it
             seq.blocks[i] = dst
             copies.append((src, dst))
-        seq.blocks.extend(self._pool.take() for _ in range(new))
+        for _ in range(new):
+            seq.blocks.append(self._pool.take(after=seq.blocks[-1] if seq.blocks else None))
         seq.reserved += count
         return copies
 

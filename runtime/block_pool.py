@@ -2,9 +2,10 @@
 
 A block is free (reference count 0) or held by one or more sequences. A full block of committed tokens may be
 registered in the prefix cache under the chained hash of its content; when its last holder lets go it stays
-cached but evictable, and allocation takes never-cached free blocks first, lowest index first (so a sequence's
-blocks lie together and the slice of the pool a step reads stays small: runtime/model_runner.py), then evicts the
-least recently released cached one. What a block means to a sequence (its logical position, the tokens in it) is
+cached but evictable, and allocation takes never-cached free blocks first — the block after the sequence's last
+one when that is free, else the lowest index (so a sequence's blocks lie together, in order where they can: the
+slice of the pool a step reads stays small, and a head-major pool's step of one sequence whose blocks form a run
+attends in place, runtime/model_runner.py) — then evicts the least recently released cached one. What a block means to a sequence (its logical position, the tokens in it) is
 the block manager's business (runtime/block_manager.py).
 """
 
@@ -87,10 +88,18 @@ class BlockPool:
     def cached_hash(self, block: int) -> bytes | None:
         return self._block_to_hash.get(block)
 
-    def take(self) -> int:
-        """A free block, now referenced once: never-cached ones first (the lowest), else the least recently released
-        cached one (evicted from the prefix cache)."""
-        if self._free:
+    def take(self, after: int | None = None) -> int:
+        """A free block, now referenced once: never-cached ones first (block `after` + 1 when it is one, else the
+        lowest), else the least recently released cached one (evicted from the prefix cache)."""
+        wanted = None if after is None else after + 1
+        if wanted is not None and wanted < self.num_blocks and self.refs[wanted] == 0 \
+                and wanted not in self._block_to_hash:
+            index = self._free.index(wanted)
+            self._free[index] = self._free[-1]
+            self._free.pop()
+            heapq.heapify(self._free)
+            block = wanted
+        elif self._free:
             block = heapq.heappop(self._free)
         else:
             block, _ = self._evictable.popitem(last=False)

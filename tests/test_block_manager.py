@@ -475,3 +475,19 @@ def test_never_cached_blocks_are_taken_lowest_first_so_a_sequence_lies_together(
     bm.allocate(2, list(range(9)))  # 5 blocks: the four freed ones first, then the next lowest
     assert bm.block_table(2) == [0, 1, 2, 3, 7]
     bm.check_invariants()
+
+
+def test_a_sequence_takes_the_block_after_its_last_when_it_is_free():
+    """Its blocks then form a run (a head-major pool attends in place); the lowest free block went elsewhere."""
+    manager = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    manager.allocate(0, range(8))  # blocks 0, 1
+    manager.allocate(1, range(4))  # 2
+    manager.allocate(2, range(4))  # 3
+    manager.free(1)  # 2 is the lowest free block now
+    manager.append_slots(2, 4)
+    assert manager.block_table(2) == [3, 4]
+    manager.append_slots(0, 4)  # 2 is next to sequence 0's last block
+    assert manager.block_table(0) == [0, 1, 2]
+    manager.allocate(3, range(12))  # a new sequence: the lowest free block, then its successors
+    assert manager.block_table(3) == [5, 6, 7]
+    manager.check_invariants()
