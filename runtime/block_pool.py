@@ -3,10 +3,11 @@
 A block is free (reference count 0) or held by one or more sequences. A full block of committed tokens may be
 registered in the prefix cache under the chained hash of its content; when its last holder lets go it stays
 cached but evictable, and allocation takes never-cached free blocks first — the block after the sequence's last
-one when that is free, else the lowest index (so a sequence's blocks lie together, in order where they can: the
-slice of the pool a step reads stays small, and a head-major pool's step of one sequence whose blocks form a run
-attends in place, runtime/model_runner.py) — then evicts the least recently released cached one. What a block means to a sequence (its logical position, the tokens in it) is
-the block manager's business (runtime/block_manager.py).
+one when that is free, else the lowest index — then evicts the least recently released cached one. So a
+sequence's blocks lie together, in order where they can: the slice of the pool a step reads stays small, and a
+head-major pool's step of one sequence whose blocks form a run attends in place (runtime/model_runner.py). What a
+block means to a sequence (its logical position, the tokens in it) is the block manager's business
+(runtime/block_manager.py).
 """
 
 from __future__ import annotations
