@@ -5,15 +5,13 @@ released block's stand-in), a partly filled last block — and each form really 
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 
 import fxllm
 from tests.conftest import TINY_COMMON
+from tests.ort_profile import profiled_run
 
 BLOCK = 4
 PASSES = f"cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size={BLOCK}"
@@ -33,17 +31,6 @@ def artifact(tmp_path_factory, tokenizer):
     return directory / "artifact"
 
 
-def _run(model_file, feeds, profile_dir):
-    options = ort.SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = str(profile_dir / "run")
-    session = ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
-    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-    with open(session.end_profiling()) as trace:
-        ops = {event.get("args", {}).get("op_name") for event in json.load(trace)}
-    return outputs, ops
-
-
 def test_the_pool_form_equals_the_gathered_form(artifact, tmp_path):
     rng = np.random.default_rng(0)
     layers, kv_heads, head_dim, blocks = 2, TINY_COMMON["num_key_value_heads"], 16, 100
@@ -57,9 +44,10 @@ def test_the_pool_form_equals_the_gathered_form(artifact, tmp_path):
     table = table[None]
     common = {"input_ids": rng.integers(3, 1000, (1, new)), "position_ids": np.arange(context, context + new)[None],
               "logits_index": np.arange(new), "context_lens": np.asarray([context])}
-    gathered, gathered_ops = _run(artifact / "model.onnx", {**common, "block_tables": table, **pools}, tmp_path)
+    model = artifact / "model.onnx"
+    gathered, gathered_ops, _ = profiled_run(model, {**common, "block_tables": table, **pools}, tmp_path)
     sliced = {name: pool[first:end] for name, pool in pools.items()}
-    viewed, viewed_ops = _run(artifact / "model.onnx", {**common, "block_tables": table - first, **sliced}, tmp_path)
+    viewed, viewed_ops, _ = profiled_run(model, {**common, "block_tables": table - first, **sliced}, tmp_path)
     assert "FusedMatMul" in viewed_ops and "FusedMatMul" not in gathered_ops and "Attention" in gathered_ops
     assert np.isfinite(gathered["logits"]).all()
     for name, value in gathered.items():

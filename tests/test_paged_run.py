@@ -5,10 +5,7 @@ and the runtime's steps of a lone sequence really run in place."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 
@@ -16,6 +13,7 @@ import fxllm
 from fxllm.runtime.contract import cache_input, cache_output
 from fxllm.runtime.paged_cache import HeadMajorKVPool
 from tests.conftest import TINY_COMMON
+from tests.ort_profile import profiled_run
 
 BLOCK = 4
 PASSES = f"cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size={BLOCK}"
@@ -35,17 +33,6 @@ def forms(tmp_path_factory, tokenizer):
     fxllm.compile(directory / "model", directory / "ort", passes=PASSES)
     fxllm.compile(directory / "model", directory / "standard", passes=PASSES, ort_steps=[])
     return directory / "ort", directory / "standard"
-
-
-def _run(model_file, feeds, profile_dir):
-    options = ort.SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = str(profile_dir / "run")
-    session = ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
-    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-    with open(session.end_profiling()) as trace:
-        events = [event for event in json.load(trace) if event.get("args", {}).get("op_name")]
-    return outputs, {event["args"]["op_name"] for event in events}, {event["name"] for event in events}
 
 
 def _head_major_view(pool: np.ndarray, first: int) -> np.ndarray:
@@ -79,9 +66,10 @@ def test_each_form_equals_the_standard_form(forms, tmp_path, contexts, new, form
     lens = np.asarray(contexts)
     common = {"input_ids": rng.integers(3, 1000, (len(contexts), new)), "position_ids": lens[:, None] + np.arange(new),
               "logits_index": np.arange(new), "context_lens": lens}
-    expected, _, _ = _run(standard / "model.onnx", {**common, "block_tables": table, **pools}, tmp_path)
+    expected, _, _ = profiled_run(standard / "model.onnx", {**common, "block_tables": table, **pools}, tmp_path)
     views = {name: _head_major_view(pool, first) for name, pool in pools.items()}
-    got, ops, names = _run(ort_artifact / "model.onnx", {**common, "block_tables": table - first, **views}, tmp_path)
+    feeds = {**common, "block_tables": table - first, **views}
+    got, ops, names = profiled_run(ort_artifact / "model.onnx", feeds, tmp_path)
     assert "GroupQueryAttention" in ops if form != "Attention" else "Attention" in ops
     assert ("GatherElements" in ops) == (form == "GroupQueryAttention")  # the step's K/V out of a gathered present
     branches = {"run": None, "GroupQueryAttention": "paged_run_gqa_", "Attention": "paged_run_gathered_"}

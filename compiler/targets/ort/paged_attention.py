@@ -85,13 +85,10 @@ class Site:
 
 def apply(model: ir.Model, context) -> int:
     graph = model.graph
-    inputs = {value.name: value for value in graph.inputs}
-    if BLOCK_TABLES not in inputs or CONTEXT_LENS not in inputs or INPUT_IDS not in inputs:
+    found = paged_sites(graph)
+    if found is None:
         return 0
-    attentions = [n for n in graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
-    sites = [match_site(node, inputs) for node in attentions]
-    if not sites or any(site is None for site in sites):
-        return 0
+    inputs, sites = found
     pool_dims = static_dims(sites[0].pools[0])
     block_size = pool_dims[1] if pool_dims else None
     if not isinstance(block_size, int):
@@ -118,6 +115,17 @@ def apply(model: ir.Model, context) -> int:
         else:
             _rewrite(build, site, shared, biases[windows[site.layer]], gqa, (q3, k3, v3))
     return len(sites)
+
+
+def paged_sites(graph: ir.Graph) -> tuple[dict[str, ir.Value], list[Site]] | None:
+    """The graph's inputs by name and every attention's Site, or None unless it is a paged graph whose every
+    attention matches (the rewrites are all or nothing)."""
+    inputs = {value.name: value for value in graph.inputs}
+    if BLOCK_TABLES not in inputs or CONTEXT_LENS not in inputs or INPUT_IDS not in inputs:
+        return None
+    attentions = [n for n in graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
+    sites = [match_site(node, inputs) for node in attentions]
+    return (inputs, sites) if sites and all(site is not None for site in sites) else None
 
 
 def match_site(attention: ir.Node, inputs: dict[str, ir.Value]) -> Site | None:

@@ -35,22 +35,20 @@ import onnx_ir as ir
 
 from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, copy_shape, static_dims
 from fxllm.compiler.targets.ort.group_query_attention import as_bsd, flat_consumer, kernel_takes_head_dim
-from fxllm.compiler.targets.ort.paged_attention import (Body, Packed, Site, detach, first_use, match_site,
-                                                        moved_attention, packed_form, rotary_tables, take_output)
-from fxllm.runtime.contract import (BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, head_major_pool_dims, parse_cache_name)
+from fxllm.compiler.targets.ort.paged_attention import (Body, Packed, Site, detach, first_use, moved_attention,
+                                                        packed_form, paged_sites, rotary_tables, take_output)
+from fxllm.runtime.contract import BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, head_major_pool_dims, parse_cache_name
 
 NAME = "paged-run"
 
 
 def apply(model: ir.Model, context) -> int:
     graph = model.graph
-    inputs = {value.name: value for value in graph.inputs}
-    if BLOCK_TABLES not in inputs or CONTEXT_LENS not in inputs or INPUT_IDS not in inputs:
+    found = paged_sites(graph)
+    if found is None:
         return 0
-    attentions = [n for n in graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
-    sites = [match_site(node, inputs) for node in attentions]
-    if not sites or any(site is None for site in sites) or any(context.spec.sliding_windows) \
-            or not all(value.is_graph_output() for site in sites for value in site.new):
+    inputs, sites = found
+    if any(context.spec.sliding_windows) or not all(value.is_graph_output() for site in sites for value in site.new):
         return 0
     shape = {(site.q_heads, site.kv_heads, site.head_dim) for site in sites}
     pool_dims = static_dims(sites[0].pools[0])
