@@ -25,7 +25,11 @@ class BlockManager:
     performs the copies `append_slots` returns. A block's slot i holds the KV of token position
     logical_block * block_size + i of every sequence whose table maps that logical block to it."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 keep_runs: bool = False) -> None:
+        """keep_runs: place a new sequence's blocks as one ascending run where the pool has room — its prefix-cache
+        hits copied into the run (`take_copies`) when they cannot be extended in place — for a pool that attends
+        in place over a run (a head-major pool, runtime/contract.py)."""
         if not is_int(num_blocks) or num_blocks < 1:
             raise GenerationError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         if not is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
@@ -35,8 +39,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_hits = 0  # in blocks
         self.prefix_queries = 0  # in blocks: full prompt blocks looked up in the prefix cache
+        self.keep_runs = keep_runs
         self._pool = BlockPool(num_blocks)
         self._seqs: dict[int, SequenceBlocks] = {}
+        self._copies: dict[int, list[tuple[int, int]]] = {}  # seq → (cached block, its copy) not yet handed out
 
     # ---- metrics and lookups
 
@@ -118,17 +124,33 @@ class BlockManager:
         needed = self._blocks_to_take(tokens, hits)
         if needed > self.num_free_blocks:
             raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks)
-        for block in hits:
+        for block in hits:  # a relocated sequence holds its hits until their copies are handed out
             self._pool.acquire(block)
-        blocks = list(hits)
-        for _ in range(self.blocks_needed(len(tokens)) - len(hits)):
-            blocks.append(self._pool.take(after=blocks[-1] if blocks else None))
+        count = self.blocks_needed(len(tokens))
+        start = self._run_start(hits, count) if self.keep_runs else None
+        if start is not None:
+            blocks = self._pool.take_run(start, count)
+            if hits:
+                self._copies[seq_id] = list(zip(hits, blocks))
+        else:
+            blocks = list(hits)
+            for _ in range(count - len(hits)):
+                blocks.append(self._pool.take(after=blocks[-1] if blocks else None))
         cached = len(hits) * self.block_size
         self._seqs[seq_id] = SequenceBlocks(blocks, tokens[:cached], len(tokens), hashes)
         if self.enable_prefix_caching and reuse_cached:
             self.prefix_queries += (len(tokens) - 1) // self.block_size
             self.prefix_hits += len(hits)
         return cached
+
+    def take_copies(self, seq_id: int) -> list[tuple[int, int]]:
+        """The (cached block, its copy in the sequence's run) pairs a relocating allocation made, once: the caller
+        copies them into the KV pool before the model reads the sequence (the first prefill call); the cached
+        blocks are released now, so nothing may allocate between this and those copies."""
+        pairs = self._copies.pop(seq_id, [])
+        for source, _ in pairs:
+            self._pool.release(source)
+        return pairs
 
     def can_append_slots(self, seq_id: int, count: int = 1) -> bool:
         cow, new = self._append_plan(self._seq(seq_id), count)
@@ -211,6 +233,7 @@ class BlockManager:
 
     def free(self, seq_id: int) -> None:
         seq = self._seq(seq_id)
+        self.take_copies(seq_id)  # never made: the sequence's copies hold nothing anyone reads
         del self._seqs[seq_id]
         # Tail first: eviction takes the least recently released, and the tail is the part other prompts are least
         # likely to share.
@@ -233,6 +256,8 @@ class BlockManager:
             expect(len(seq.hashes) == full, f"sequence {sid} has {len(seq.hashes)} block hashes, expected {full}")
             for i, block in held:
                 owners[block] += 1
+            for source, _ in self._copies.get(sid, []):
+                owners[source] += 1
                 cached = self._pool.cached_hash(block)
                 expect(cached is None or i < len(seq.hashes) and seq.hashes[i] == cached,
                        f"cached block {block} is logical block {i} of sequence {sid} with different content")
@@ -258,6 +283,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], []
         return self._pool.cached_prefix(tokens[:len(tokens) - 1], self.block_size)
+
+    def _run_start(self, hits: list[int], count: int) -> int | None:
+        """Where a new sequence of `count` blocks should start its run: None when its hits already are one and the
+        fresh blocks after them complete it (the ordinary allocation does), else the lowest fresh run of `count`
+        blocks (None when there is none: the blocks go wherever they can)."""
+        if hits and all(b == hits[0] + i for i, b in enumerate(hits)) and hits[0] + count <= self.num_blocks \
+                and all(self._pool.is_fresh(b) for b in range(hits[-1] + 1, hits[0] + count)):
+            return None
+        return self._pool.fresh_run(count)
 
     def _blocks_to_take(self, tokens: list[int], hits: list[int]) -> int:
         # A hit on an unreferenced cached block takes it out of the free pool just like a fresh block.

@@ -49,7 +49,11 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.refs = [0] * num_blocks
-        self._free: list[int] = list(range(num_blocks))  # ref 0, no cached content; a heap, lowest index first
+        self._fresh = bytearray(b"\x01") * num_blocks  # 1: free and never cached (ref 0, no cached content)
+        self._num_fresh = num_blocks
+        # the fresh blocks, lowest first: a heap that may also hold stale entries (blocks taken out of order by
+        # take_at, dropped when popped), so taking a given block costs O(1) instead of a search and a re-heapify
+        self._lowest: list[int] = list(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with cached content, least recent first
         self._hash_to_block: dict[bytes, int] = {}
         self._block_to_hash: dict[int, bytes] = {}
@@ -60,7 +64,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take, cached-but-unreferenced ones included."""
-        return len(self._free) + len(self._evictable)
+        return self._num_fresh + len(self._evictable)
 
     @property
     def num_cached(self) -> int:
@@ -92,21 +96,37 @@ class BlockPool:
     def take(self, after: int | None = None) -> int:
         """A free block, now referenced once: never-cached ones first (block `after` + 1 when it is one, else the
         lowest), else the least recently released cached one (evicted from the prefix cache)."""
-        wanted = None if after is None else after + 1
-        if wanted is not None and wanted < self.num_blocks and self.refs[wanted] == 0 \
-                and wanted not in self._block_to_hash:
-            index = self._free.index(wanted)
-            self._free[index] = self._free[-1]
-            self._free.pop()
-            heapq.heapify(self._free)
-            block = wanted
-        elif self._free:
-            block = heapq.heappop(self._free)
-        else:
-            block, _ = self._evictable.popitem(last=False)
-            del self._hash_to_block[self._block_to_hash.pop(block)]
+        if after is not None and after + 1 < self.num_blocks and self._fresh[after + 1]:
+            return self.take_at(after + 1)
+        if self._num_fresh:
+            block = heapq.heappop(self._lowest)
+            while not self._fresh[block]:  # a stale entry
+                block = heapq.heappop(self._lowest)
+            return self.take_at(block)
+        block, _ = self._evictable.popitem(last=False)
+        del self._hash_to_block[self._block_to_hash.pop(block)]
         self.refs[block] = 1
         return block
+
+    def is_fresh(self, block: int) -> bool:
+        """Free and never cached: a block `take_at` can take."""
+        return bool(self._fresh[block])
+
+    def take_at(self, block: int) -> int:
+        """This fresh block (`is_fresh`), now referenced once."""
+        self._fresh[block] = 0
+        self._num_fresh -= 1
+        self.refs[block] = 1
+        return block
+
+    def take_run(self, start: int, count: int) -> list[int]:
+        """Fresh blocks start .. start + count - 1 (`fresh_run` found them), now referenced once each."""
+        return [self.take_at(block) for block in range(start, start + count)]
+
+    def fresh_run(self, count: int) -> int | None:
+        """The lowest block that starts `count` consecutive fresh blocks, or None."""
+        start = self._fresh.find(b"\x01" * count)
+        return None if start < 0 else start
 
     def acquire(self, block: int) -> None:
         """One more holder of a (cached) block; an unreferenced one leaves the free pool."""
@@ -121,7 +141,12 @@ class BlockPool:
             if block in self._block_to_hash:
                 self._evictable[block] = None
             else:
-                heapq.heappush(self._free, block)
+                self._fresh[block] = 1
+                self._num_fresh += 1
+                if len(self._lowest) >= 2 * self.num_blocks:  # stale entries piled up: rebuild (sorted is a heap)
+                    self._lowest = [b for b in range(self.num_blocks) if self._fresh[b]]
+                else:
+                    heapq.heappush(self._lowest, block)
 
     def register(self, block: int, digest: bytes) -> None:
         """Cache a full block under its content hash; another block that already holds the same content (two
@@ -134,14 +159,17 @@ class BlockPool:
         """Raise AssertionError naming the first broken invariant; owners[b]: how many tables hold block b."""
         for block, (refs, owned) in enumerate(zip(self.refs, owners)):
             expect(refs == owned, f"block {block} has ref count {refs} but {owned} owners")
-        free = list(self._free) + list(self._evictable)
+        fresh = [block for block in range(self.num_blocks) if self._fresh[block]]
+        expect(len(fresh) == self._num_fresh, f"{len(fresh)} fresh blocks counted as {self._num_fresh}")
+        expect(set(fresh) <= set(self._lowest), "a fresh block is missing from the lowest-first heap")
+        free = fresh + list(self._evictable)
         expect(len(set(free)) == len(free), "a block is in the free pool twice")
         for block in free:
             expect(self.refs[block] == 0, f"block {block} is free but has ref count {self.refs[block]}")
         used = sum(refs > 0 for refs in self.refs)
         expect(len(free) + used == self.num_blocks, f"{len(free)} free + {used} used blocks != {self.num_blocks} total")
         expect(all(block in self._block_to_hash for block in self._evictable), "an evictable block is not cached")
-        expect(not any(block in self._block_to_hash for block in self._free), "a never-cached free block is cached")
+        expect(not any(block in self._block_to_hash for block in fresh), "a never-cached free block is cached")
         expect(len(self._hash_to_block) == len(self._block_to_hash)
                and all(self._block_to_hash.get(block) == h for h, block in self._hash_to_block.items()),
                "the hash -> block and block -> hash maps disagree")

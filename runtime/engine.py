@@ -67,7 +67,7 @@ class Engine:
         if self.paged:
             from fxllm.runtime.block_manager import BlockManager
 
-            manager = BlockManager(blocks, self.block_size, prefix_caching)
+            manager = BlockManager(blocks, self.block_size, prefix_caching, keep_runs=self.io.head_major_pool)
             scheduler = PagedScheduler(manager, max_batch, max_tokens_per_step, speculative=bool(self.speculator),
                                        attention_span=self.spec.attention_span)
         else:  # speculative decoding on a contiguous cache verifies one request at a time

@@ -40,7 +40,7 @@ class ScheduledBatch:
     length; contiguous prefill: whole prompts, left-padded by the runner). `sample`: the last fed position of each
     row is sampled (false for a prefill chunk before the last); `prompt_logits`: every fed position's logits are
     wanted (prompt logprobs). Paged only: block tables, the pool slot of every fed token, and the copy-on-write
-    block copies to make before the call. `drafts` (a speculative decode): each row's draft tokens, fed after its
+    block copies to make before the call (copy-on-write, prefix-cache hits copied into a run). `drafts` (a speculative decode): each row's draft tokens, fed after its
     last token (rows then differ in length); every fed position's logits come back."""
 
     kind: str  # PREFILL or DECODE
@@ -185,7 +185,7 @@ class PagedScheduler(_Queues):
         tokens, start = request.all_token_ids, request.num_computed_tokens
         chunk = tokens[start:start + self.max_tokens_per_step]
         return ScheduledBatch(PREFILL, [request], [chunk], [start], sample=start + len(chunk) == len(tokens),
-                              prompt_logits=request.needs_prompt_logits,
+                              prompt_logits=request.needs_prompt_logits, copies=self.manager.take_copies(request.seq_id),
                               block_tables=[self.manager.block_table(request.seq_id)],
                               slots=[self.manager.slot_mapping(request.seq_id, start, len(chunk))])
 

@@ -49,9 +49,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.pool: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix whose KV the slot holds
         self.next_id = 0
 
-    @initialize(num_blocks=st.integers(1, 32), block_size=st.sampled_from([1, 2, 4]), caching=st.booleans())
-    def init(self, num_blocks: int, block_size: int, caching: bool) -> None:
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    @initialize(num_blocks=st.integers(1, 32), block_size=st.sampled_from([1, 2, 4]), caching=st.booleans(),
+                keep_runs=st.booleans())
+    def init(self, num_blocks: int, block_size: int, caching: bool, keep_runs: bool) -> None:
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, keep_runs=keep_runs)
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        """What the runner does with block copies: each slot of the source block into the target block."""
+        size = self.bm.block_size
+        for src, dst in pairs:
+            for offset in range(size):
+                content = self.pool.get(src * size + offset)
+                if content is None:
+                    self.pool.pop(dst * size + offset, None)
+                else:
+                    self.pool[dst * size + offset] = content
 
     def _pick(self, data) -> int:
         return data.draw(st.sampled_from(sorted(self.model)))
@@ -88,6 +100,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.enable_prefix_caching or cached == 0
         assert bm.token_ids(sid) == prompt[:cached]
         STATS["prefix_hits"] += cached // size
+        relocated = bm.take_copies(sid)
+        if relocated:
+            STATS["relocated_hits"] += len(relocated)
+            assert [dst for _, dst in relocated] == bm.block_table(sid)[:cached // size]
+        self._copy(relocated)
+        if bm.keep_runs and bm.block_table(sid) == sorted(bm.block_table(sid)):
+            STATS["runs"] += 1
         self.model[sid] = Expected(prompt[:cached], prompt[cached:])
         # Usually prefill all of the rest now; sometimes only part (chunked prefill) or none, leaving slots pending.
         rest = len(prompt) - cached
@@ -118,12 +137,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             STATS["copy_on_write"] += 1
             i = table.index(src)
             assert after[i] == dst and bm.ref_count(dst) == 1 and bm.ref_count(src) >= 1
-            for offset in range(size):
-                content = self.pool.get(src * size + offset)
-                if content is None:
-                    self.pool.pop(dst * size + offset, None)
-                else:
-                    self.pool[dst * size + offset] = content
+        self._copy(copies)
         assert [b for b in after[:len(table)] if b not in table] == [dst for _, dst in copies]
         exp.pending += new_tokens
         self._write_and_commit(sid, data.draw(st.integers(0, len(exp.pending))))
@@ -233,6 +247,7 @@ def test_random_operations_keep_block_manager_consistent():
     print(f"\nblock manager state machine: {dict(STATS)}")
     assert STATS["steps"] >= 10_000
     assert STATS["prefix_hits"] and STATS["copy_on_write"] and STATS["out_of_blocks"] and STATS["rollbacks"]
+    assert STATS["relocated_hits"] and STATS["runs"]
 
 
 # ---- focused unit tests
@@ -490,4 +505,39 @@ def test_a_sequence_takes_the_block_after_its_last_when_it_is_free():
     assert manager.block_table(0) == [0, 1, 2]
     manager.allocate(3, range(12))  # a new sequence: the lowest free block, then its successors
     assert manager.block_table(3) == [5, 6, 7]
+    manager.check_invariants()
+
+
+def test_keep_runs_copies_prefix_hits_into_a_run_when_they_cannot_be_extended():
+    """A request sharing a finished one's first blocks, then diverging: the block after its hits holds the finished
+    request's cached content, so its blocks would not be one run. With keep_runs the hits are copied into a fresh
+    run (handed out once, for the caller to copy before the model reads them) and stay cached for others."""
+    manager = BlockManager(num_blocks=12, block_size=4, keep_runs=True)
+    first = list(range(100, 116))
+    manager.allocate(0, first + [1])  # blocks 0-4
+    manager.commit_tokens(0, first + [1])
+    manager.free(0)  # 0-3 full and cached, evictable
+    assert manager.allocate(1, first[:8] + [7] * 9) == 8  # hits 0, 1; diverges in block 2 (cached: 0's content)
+    assert manager.block_table(1) == [4, 5, 6, 7, 8]  # 4 held 0's last, partial block: never cached
+    assert manager.take_copies(1) == [(0, 4), (1, 5)] and manager.take_copies(1) == []
+    assert manager.num_cached_blocks == 4 and manager.ref_count(0) == 0  # still cached, evictable
+    manager.check_invariants()
+    assert manager.allocate(2, first[:8] + [5] * 3) == 8  # the same hits again, into the next fresh run
+    assert manager.block_table(2) == [9, 10, 11] and manager.take_copies(2) == [(0, 9), (1, 10)]
+    manager.check_invariants()
+
+
+def test_keep_runs_extends_hits_in_place_and_places_new_sequences_in_a_fresh_run():
+    manager = BlockManager(num_blocks=12, block_size=4, keep_runs=True)
+    shared = list(range(100, 108))
+    manager.allocate(0, shared + [1])  # blocks 0-2
+    manager.commit_tokens(0, shared + [1])
+    manager.allocate(1, [9] * 5)  # 3, 4
+    manager.free(1)
+    assert manager.allocate(2, shared + [2] * 9) == 8  # hits 0, 1 (held by 0); 2 is 0's: copied into a run
+    assert manager.block_table(2) == [3, 4, 5, 6, 7] and len(manager.take_copies(2)) == 2
+    manager.free(0)
+    manager.free(2)
+    manager.allocate(3, [4] * 13)  # no hit: the lowest fresh run of 4 blocks (2 is fresh: 0's partial block)
+    assert manager.block_table(3) == [2, 3, 4, 5]
     manager.check_invariants()

@@ -136,3 +136,25 @@ def test_the_head_major_pool_writes_and_copies_blocks_where_the_views_read_them(
     before = view.copy()
     pool.write(run, np.asarray([[8]]))  # a run step's outputs are the views: nothing to write
     np.testing.assert_array_equal(view, before)
+
+
+def test_prompts_sharing_a_cached_prefix_still_run_in_the_pool(tiny_paged_artifact, make_tiny_artifact):
+    """With prefix caching, a later prompt's hits are followed by the earlier request's cached blocks: its hits are
+    copied into a fresh run (block manager keep_runs), so every step still attends in place, the prefix is still
+    not recomputed, and the tokens equal the contiguous artifact's."""
+    engine = fxllm.load(tiny_paged_artifact)  # prefix caching on
+    backend, steps = engine.backend, []
+    run = backend.run
+
+    def spy(feeds):
+        steps.append(all(feeds.outputs[cache_output("paged", "key", i)] is feeds.state[cache_input("paged", "key", i)]
+                         for i in range(LAYERS)))
+        return run(feeds)
+
+    backend.run = spy
+    system = "You answer questions about animals in one short sentence, and you never make anything up. "
+    prompts = [system + question for question in ("What do cats eat?", "Where do owls live?", "Can fish sleep?")]
+    got = [engine.generate(prompt, max_new_tokens=10).token_ids for prompt in prompts]
+    assert engine.stats().prefix_cache_hits > 0 and len(steps) == 30 and all(steps)
+    contiguous = fxllm.load(make_tiny_artifact("llama"))
+    assert got == [contiguous.generate(prompt, max_new_tokens=10).token_ids for prompt in prompts]
