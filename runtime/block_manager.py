@@ -28,8 +28,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  keep_runs: bool = False) -> None:
         """keep_runs: place a new sequence's blocks as one ascending run where the pool has room — its prefix-cache
-        hits copied into the run (`take_copies`) when they cannot be extended in place — for a pool that attends
-        in place over a run (a head-major pool, runtime/contract.py)."""
+        hits copied into the run (`take_copies`) when they cannot be extended in place and no live sequence holds
+        them — for a pool that attends in place over a run (a head-major pool, runtime/contract.py)."""
         if not is_int(num_blocks) or num_blocks < 1:
             raise GenerationError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         if not is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
@@ -285,9 +285,13 @@ class BlockManager:
         return self._pool.cached_prefix(tokens[:len(tokens) - 1], self.block_size)
 
     def _run_start(self, hits: list[int], count: int) -> int | None:
-        """Where a new sequence of `count` blocks should start its run: None when its hits already are one and the
-        fresh blocks after them complete it (the ordinary allocation does), else the lowest fresh run of `count`
-        blocks (None when there is none: the blocks go wherever they can)."""
+        """Where a new sequence of `count` blocks (its hits acquired) should start its run: None when its hits
+        already are one and the fresh blocks after them complete it (the ordinary allocation does), or when a live
+        sequence also holds a hit (they stay shared: sequences running together gather their blocks anyway, and
+        copies would cost the pool the memory sharing saves); else the lowest fresh run of `count` blocks (None
+        when there is none: the blocks go wherever they can)."""
+        if any(self._pool.refs[block] > 1 for block in hits):
+            return None
         if hits and all(b == hits[0] + i for i, b in enumerate(hits)) and hits[0] + count <= self.num_blocks \
                 and all(self._pool.is_fresh(b) for b in range(hits[-1] + 1, hits[0] + count)):
             return None

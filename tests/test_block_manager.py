@@ -527,17 +527,19 @@ def test_keep_runs_copies_prefix_hits_into_a_run_when_they_cannot_be_extended():
     manager.check_invariants()
 
 
-def test_keep_runs_extends_hits_in_place_and_places_new_sequences_in_a_fresh_run():
+def test_keep_runs_shares_hits_a_live_sequence_holds_and_places_new_sequences_in_a_fresh_run():
     manager = BlockManager(num_blocks=12, block_size=4, keep_runs=True)
     shared = list(range(100, 108))
     manager.allocate(0, shared + [1])  # blocks 0-2
     manager.commit_tokens(0, shared + [1])
     manager.allocate(1, [9] * 5)  # 3, 4
     manager.free(1)
-    assert manager.allocate(2, shared + [2] * 9) == 8  # hits 0, 1 (held by 0); 2 is 0's: copied into a run
-    assert manager.block_table(2) == [3, 4, 5, 6, 7] and len(manager.take_copies(2)) == 2
-    manager.free(0)
+    assert manager.allocate(2, shared + [2] * 9) == 8  # hits 0, 1, held by the live sequence 0: stay shared
+    assert manager.block_table(2) == [0, 1, 3, 4, 5] and manager.take_copies(2) == []
     manager.free(2)
+    manager.free(0)
     manager.allocate(3, [4] * 13)  # no hit: the lowest fresh run of 4 blocks (2 is fresh: 0's partial block)
     assert manager.block_table(3) == [2, 3, 4, 5]
+    assert manager.allocate(4, shared + [3] * 2) == 8  # hits 0, 1, no longer held; 2 is 3's: copied into a run
+    assert manager.block_table(4) == [6, 7, 8] and manager.take_copies(4) == [(0, 6), (1, 7)]
     manager.check_invariants()
