@@ -256,11 +256,11 @@ class BlockManager:
             expect(len(seq.hashes) == full, f"sequence {sid} has {len(seq.hashes)} block hashes, expected {full}")
             for i, block in held:
                 owners[block] += 1
-            for source, _ in self._copies.get(sid, []):
-                owners[source] += 1
                 cached = self._pool.cached_hash(block)
                 expect(cached is None or i < len(seq.hashes) and seq.hashes[i] == cached,
                        f"cached block {block} is logical block {i} of sequence {sid} with different content")
+            for source, _ in self._copies.get(sid, []):  # hits held until their copies are handed out
+                owners[source] += 1
         self._pool.check_invariants(owners, self.enable_prefix_caching)
 
     # ---- internals
