@@ -67,6 +67,17 @@ class Builder:
         return value
 
 
+def int64_constant(build: Builder, prefix: str, values: int | list[int]) -> ir.Value:
+    """An int64 initializer holding `values` (a scalar for an int), made once per prefix and value:
+    `{prefix}_scalar_3`, `{prefix}_const_0_m1`."""
+    flat = [values] if isinstance(values, int) else values
+    kind = "scalar" if isinstance(values, int) else "const"
+    name = f"{prefix}_{kind}_" + "_".join(str(v).replace("-", "m") for v in flat)
+    if name not in build.graph.initializers:
+        return build.initializer(name, np.asarray(values, dtype=np.int64))
+    return build.graph.initializers[name]
+
+
 def packed_4bit(values: np.ndarray, dtype: ir.DataType, name: str) -> ir.PackedTensor:
     """4-bit values (0..15 for UINT4, -8..7 for INT4) → an ONNX tensor of `dtype`, two per byte, the first element
     in the low nibble."""

@@ -57,7 +57,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fxllm.compiler.targets.ort.attention_rotary import checked_cone, table_subgraph
-from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, producer, static_dims, take_place
+from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, int64_constant, producer, static_dims, take_place
 from fxllm.compiler.targets.ort.group_query_attention import as_bsd, flat_consumer, kernel_takes_head_dim
 from fxllm.compiler.targets.tensorrt_audit import ORIGIN_KEY
 from fxllm.runtime.contract import BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, PAGED, POSITION_IDS, parse_cache_name
@@ -188,10 +188,7 @@ class _Shared:
             fits = node("And", [fits, node("GreaterOrEqual", [self.slots, self._int([VIEW_MIN_SLOTS])])])
         self.fits = node("Squeeze", [fits], name="paged_view_fits")
         if gqa:  # GroupQueryAttention's lengths: row b holds context_lens[b] + T keys after the step
-            last = node("Sub", [node("Add", [self.lens, node("Squeeze", [self.tokens])]), self._int([1])])
-            self.seqlens = node("Cast", [last], {"to": ir.DataType.INT32}, name="paged_gqa_seqlens_k")
-            total = node("Add", [node("ReduceMax", [self.lens], {"keepdims": 0}), node("Squeeze", [self.tokens])])
-            self.total = node("Cast", [total], {"to": ir.DataType.INT32}, name="paged_gqa_total_sequence_length")
+            self.seqlens, self.total = kernel_lengths(node, self._int, self.lens, self.tokens, "paged_gqa")
             one = self._int([1])
             single = node("Or", [node("Equal", [self.batch, one]), node("Equal", [self.tokens, one])])
             # the outer If of a layer: GroupQueryAttention over the gathered past when the pool form does not run
@@ -210,34 +207,18 @@ class _Shared:
         return self.build.node(op_type, inputs, attributes, before=self.before, name=name).outputs[0]
 
     def new_rows(self, kv_heads: int, head_dim: int) -> ir.Value:
-        """int64 [B, Hkv, T, D] holding context_lens[b] + t: the row of GroupQueryAttention's present where row b's
-        new token t lands (GatherElements on axis 2 takes the step's K/V out of it)."""
+        """step_rows for these KV heads, made once."""
         key = (kv_heads, head_dim)
         if key not in self._new_rows:
-            node, scalar = self._node, self._scalar
-            steps = node("Range", [scalar(0), node("Squeeze", [self.tokens]), scalar(1)])
-            rows = node("Add", [node("Reshape", [self.lens, self._int([-1, 1, 1, 1])]),
-                                node("Reshape", [steps, self._int([1, 1, -1, 1])])])  # [B, 1, T, 1]
-            shape = node("Concat", [self.batch, self._int([kv_heads]), self.tokens, self._int([head_dim])],
-                         {"axis": 0})
-            self._new_rows[key] = node("Expand", [rows, shape], name=f"paged_gqa_new_rows_{kv_heads}_{head_dim}")
+            self._new_rows[key] = step_rows(self._node, self._int, self.lens, self.tokens, self.batch, kv_heads,
+                                            head_dim, f"paged_gqa_new_rows_{kv_heads}_{head_dim}")
         return self._new_rows[key]
 
     def kv_head_shape(self, kv_heads: int, head_dim: int) -> ir.Value:
         return self._int([0, 0, kv_heads, head_dim])
 
-    def _scalar(self, value: int) -> ir.Value:
-        name = f"paged_view_scalar_{value}"
-        if name not in self.build.graph.initializers:
-            return self.build.initializer(name, np.asarray(value, dtype=np.int64))
-        return self.build.graph.initializers[name]
-
     def _int(self, values: list[int]) -> ir.Value:
-        array = np.asarray(values, dtype=np.int64)
-        name = "paged_view_const_" + "_".join(str(v).replace("-", "m") for v in values)
-        if name not in self.build.graph.initializers:
-            return self.build.initializer(name, array)
-        return self.build.graph.initializers[name]
+        return int64_constant(self.build, "paged_view", values)
 
     def biases(self, windows: list[int]) -> dict[int, ir.Value]:
         """One bias [B·T, slots + B·T] per sliding window (0: none), computed by an If that runs only when the
@@ -292,6 +273,29 @@ class _Shared:
         if window > 0:
             new_part = n("And", [new_part, n("Less", [distance, c(np.asarray(window, np.int64))])])
         return n("Concat", [pool_part, new_part], {"axis": 1})
+
+
+def kernel_lengths(node, const, lens: ir.Value, tokens: ir.Value, prefix: str) -> tuple[ir.Value, ir.Value]:
+    """GroupQueryAttention's seqlens_k (int32 [B]: row b holds context_lens[b] + T keys after the step, so
+    context_lens + T − 1) and total_sequence_length (int32: max(context_lens) + T), from context_lens [B] and the
+    step's token count `tokens` [1]; `node(op, inputs, attributes, name)` adds a node, `const(values)` an int64
+    constant."""
+    last = node("Sub", [node("Add", [lens, node("Squeeze", [tokens])]), const([1])])
+    seqlens = node("Cast", [last], {"to": ir.DataType.INT32}, name=f"{prefix}_seqlens_k")
+    total = node("Add", [node("ReduceMax", [lens], {"keepdims": 0}), node("Squeeze", [tokens])])
+    return seqlens, node("Cast", [total], {"to": ir.DataType.INT32}, name=f"{prefix}_total_sequence_length")
+
+
+def step_rows(node, const, lens: ir.Value, tokens: ir.Value, batch: ir.Value, kv_heads: int, head_dim: int,
+              name: str) -> ir.Value:
+    """int64 [B, Hkv, T, D] holding context_lens[b] + t: the row of GroupQueryAttention's present where row b's new
+    token t lands (GatherElements on axis 2 takes the step's K/V out of it); `node` and `const` as in
+    kernel_lengths."""
+    steps = node("Range", [const(0), node("Squeeze", [tokens]), const(1)])
+    rows = node("Add", [node("Reshape", [lens, const([-1, 1, 1, 1])]),
+                        node("Reshape", [steps, const([1, 1, -1, 1])])])  # [B, 1, T, 1]
+    shape = node("Concat", [batch, const([kv_heads]), tokens, const([head_dim])], {"axis": 0})
+    return node("Expand", [rows, shape], name=name)
 
 
 class Body:

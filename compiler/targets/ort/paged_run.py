@@ -30,13 +30,13 @@ nothing; elsewhere paged-attention keeps the block-major pool and its pool form.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
-from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, copy_shape, static_dims
+from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, copy_shape, int64_constant, static_dims
 from fxllm.compiler.targets.ort.group_query_attention import as_bsd, flat_consumer, kernel_takes_head_dim
-from fxllm.compiler.targets.ort.paged_attention import (Body, Packed, Site, detach, first_use, moved_attention,
-                                                        packed_form, paged_sites, rotary_tables, take_output)
+from fxllm.compiler.targets.ort.paged_attention import (Body, Packed, Site, detach, first_use, kernel_lengths,
+                                                        moved_attention, packed_form, paged_sites, rotary_tables,
+                                                        step_rows, take_output)
 from fxllm.runtime.contract import BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, head_major_pool_dims, parse_cache_name
 
 NAME = "paged-run"
@@ -88,10 +88,7 @@ class _Shared:
         self.run = node("Squeeze", [node("And", [one_row, in_order])], name="paged_run")
         self.single = node("Squeeze", [node("Or", [one_row, node("Equal", [tokens, const([1])])])],
                            name="paged_run_single")
-        last = node("Sub", [node("Add", [lens, node("Squeeze", [tokens])]), const([1])])
-        self.seqlens = node("Cast", [last], {"to": ir.DataType.INT32}, name="paged_run_seqlens_k")
-        total = node("Add", [node("ReduceMax", [lens], {"keepdims": 0}), node("Squeeze", [tokens])])
-        self.total = node("Cast", [total], {"to": ir.DataType.INT32}, name="paged_run_total_sequence_length")
+        self.seqlens, self.total = kernel_lengths(node, const, lens, tokens, "paged_run")
         kv_heads, head_dim, heads = site.kv_heads, site.head_dim, site.q_heads
         # the gather: row h·(slots / block_size) + table[b, l] of the view as [Hkv·slots/block_size, block_size·D]
         pool_blocks = node("Div", [node("Shape", [site.pools[0]], {"start": 2, "end": 3}), const([block_size])])
@@ -100,11 +97,7 @@ class _Shared:
                                  node("Reshape", [head_rows, const([1, -1, 1])])], name="paged_run_rows")  # [B,Hkv,n]
         self.block_rows = const([-1, block_size * head_dim])
         self.gathered_shape = node("Concat", [batch, const([kv_heads, -1, head_dim])], {"axis": 0})
-        steps = node("Range", [const(0), node("Squeeze", [tokens]), const(1)])
-        new_rows = node("Add", [node("Reshape", [lens, const([-1, 1, 1, 1])]),
-                                node("Reshape", [steps, const([1, 1, -1, 1])])])  # [B, 1, T, 1]: context_lens + t
-        self.new_rows = node("Expand", [new_rows, node("Concat", [batch, const([kv_heads]), tokens, const([head_dim])],
-                                                       {"axis": 0})], name="paged_run_new_rows")
+        self.new_rows = step_rows(node, const, lens, tokens, batch, kv_heads, head_dim, "paged_run_new_rows")
         self.head_shape = const([0, 0, heads, head_dim])
         self.kv_head_shape = const([0, 0, kv_heads, head_dim])
         self.flat_shape = node("Concat", [batch, tokens, const([heads * head_dim])], {"axis": 0})
@@ -113,13 +106,7 @@ class _Shared:
         return self.build.node(op_type, inputs, attributes, before=self.before, name=name).outputs[0]
 
     def _int(self, values: int | list[int]) -> ir.Value:
-        array = np.asarray(values, dtype=np.int64)
-        flat = [values] if isinstance(values, int) else values
-        name = f"paged_run_{'scalar' if isinstance(values, int) else 'const'}_" + \
-            "_".join(str(v).replace("-", "m") for v in flat)
-        if name not in self.build.graph.initializers:
-            return self.build.initializer(name, array)
-        return self.build.graph.initializers[name]
+        return int64_constant(self.build, "paged_run", values)
 
     def gathered(self, body: Body, pool: ir.Value) -> ir.Value:
         """The context of every row [B, Hkv, n·block_size, D], gathered in `body` from the view `pool`."""
