@@ -29,6 +29,31 @@ def default_num_blocks(block_bytes: int, block_size: int, max_positions: int) ->
     return max(DEFAULT_KV_BUDGET // block_bytes, -(-max_positions // block_size))
 
 
+class StepKV:
+    """Where a step's new_key_i / new_value_i outputs [batch, Hkv, tokens, D] are written (StepFeeds.outputs):
+    views of one reused array [2·layers, batch, Hkv, tokens, D], and the step's new K/V as that one array."""
+
+    def __init__(self, outputs: list[str]):
+        self._outputs = outputs
+        self._array: np.ndarray | None = None
+        self._feeds: dict[str, np.ndarray] = {}
+
+    def buffers(self, batch: int, kv_heads: int, tokens: int, head_dim: int) -> dict[str, np.ndarray]:
+        """The destinations, the same dict while the shape holds."""
+        shape = (len(self._outputs), batch, kv_heads, tokens, head_dim)
+        if self._array is None or self._array.shape != shape:
+            self._array = np.empty(shape, np.float32)
+            self._feeds = dict(zip(self._outputs, self._array))
+        return self._feeds
+
+    def stacked(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
+        """The step's new K/V [2·layers, B, Hkv, T, D]: the reused array when the outputs landed there, else a
+        stack of them."""
+        if self._feeds and all(outputs[name] is array for name, array in self._feeds.items()):
+            return self._array
+        return np.stack([outputs[name] for name in self._outputs])
+
+
 class PagedKVPool:
     """One allocation [2·layers, blocks, block_size, kv_heads, head_dim]: layer i's keys are row i, its values row
     layers + i, so a step's new K/V of every layer are written with one indexed assignment."""
@@ -41,8 +66,7 @@ class PagedKVPool:
         self._names = [cache_input(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
         self._outputs = [cache_output(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
         self._feeds: tuple[tuple[int, int | None], dict[str, np.ndarray]] | None = None
-        self._staging: np.ndarray | None = None  # [2·layers, B, Hkv, T, D]: where a step's new K/V may be written
-        self._staging_feeds: dict[str, np.ndarray] = {}
+        self._new = StepKV(self._outputs)
 
     @property
     def nbytes(self) -> int:
@@ -59,11 +83,7 @@ class PagedKVPool:
     def new_kv_buffers(self, batch: int, tokens: int) -> dict[str, np.ndarray]:
         """Destinations for a step's new_key_i / new_value_i outputs [batch, Hkv, tokens, D] (StepFeeds.outputs):
         views of one array, the same dict while the shape holds, consumed by `write` before the next step."""
-        shape = (len(self._outputs), batch, *self._pools.shape[3:4], tokens, self._pools.shape[4])
-        if self._staging is None or self._staging.shape != shape:
-            self._staging = np.empty(shape, np.float32)
-            self._staging_feeds = dict(zip(self._outputs, self._staging))
-        return self._staging_feeds
+        return self._new.buffers(batch, self._pools.shape[3], tokens, self._pools.shape[4])
 
     def write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
         """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset); a slot of -1
@@ -71,10 +91,7 @@ class PagedKVPool:
         valid = slots >= 0
         every = bool(valid.all())
         blocks, offsets = np.divmod(slots if every else slots[valid], self.block_size)
-        staged = bool(self._staging_feeds) and all(outputs[name] is array
-                                                   for name, array in self._staging_feeds.items())
-        new = self._staging if staged else np.stack([outputs[name] for name in self._outputs])
-        new = new.transpose(0, 1, 3, 2, 4)  # [2L, B, T, Hkv, D]
+        new = self._new.stacked(outputs).transpose(0, 1, 3, 2, 4)  # [2L, B, T, Hkv, D]
         self._pools[:, blocks, offsets] = new if every else new[:, valid]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -101,8 +118,7 @@ class HeadMajorKVPool:
         self._outputs = [cache_output(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
         self._view_shape = (1, kv_heads, slots, head_dim)
         self._feeds: tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
-        self._staging: np.ndarray | None = None  # [2·layers, B, Hkv, T, D]
-        self._staging_feeds: dict[str, np.ndarray] = {}
+        self._new = StepKV(self._outputs)
 
     @property
     def nbytes(self) -> int:
@@ -131,11 +147,7 @@ class HeadMajorKVPool:
     def new_kv_buffers(self, batch: int, tokens: int) -> dict[str, np.ndarray]:
         """Destinations for a gathering step's new_key_i / new_value_i [batch, Hkv, tokens, D] (see
         PagedKVPool.new_kv_buffers)."""
-        shape = (len(self._outputs), batch, self._pools.shape[1], tokens, self._pools.shape[3])
-        if self._staging is None or self._staging.shape != shape:
-            self._staging = np.empty(shape, np.float32)
-            self._staging_feeds = dict(zip(self._outputs, self._staging))
-        return self._staging_feeds
+        return self._new.buffers(batch, self._pools.shape[1], tokens, self._pools.shape[3])
 
     def write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
         """Store new_key_i / new_value_i [B, Hkv, T, D] at slots [B, T] (block * block_size + offset; -1: padding,
@@ -143,9 +155,7 @@ class HeadMajorKVPool:
         if self._feeds is not None and all(outputs.get(name) is view for name, view in self._feeds[2].items()):
             return
         valid = (slots >= 0).ravel()
-        staged = bool(self._staging_feeds) and all(outputs[name] is array
-                                                   for name, array in self._staging_feeds.items())
-        new = self._staging if staged else np.stack([outputs[name] for name in self._outputs])
+        new = self._new.stacked(outputs)
         tensors, batch, heads, tokens, dim = new.shape
         new = new.transpose(0, 2, 1, 3, 4).reshape(tensors, heads, batch * tokens, dim)  # [2L, Hkv, B·T, D]
         if valid.all():
