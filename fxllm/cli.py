@@ -253,7 +253,7 @@ def cmd_generate(args) -> None:
         print(output.text_delta, end="", flush=True)
         metrics = output.metrics
     print()
-    print(f"[prefill {metrics.prefill_ms:.1f} ms, {metrics.decode_ms_per_token:.1f} ms/token]", file=sys.stderr)
+    print(f"[prefill {metrics.prefill_ms:.1f} ms, {metrics.inter_token_ms:.1f} ms/token]", file=sys.stderr)
 
 
 def cmd_inspect(args) -> int:

@@ -195,6 +195,8 @@ class EngineCore:
             delta += request.append_token(token, self.eos_token_ids)
             if request.finish_reason is not None:
                 break
+        if new_ids:
+            request.metrics.last_token_time = time.monotonic()
         self._counters.generation_tokens += len(new_ids)
         if kind != PREFILL:
             request.metrics.decode_tokens += len(new_ids)

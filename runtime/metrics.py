@@ -12,6 +12,7 @@ class RequestMetrics:
     arrival_time: float  # when add_request accepted it (time.monotonic())
     first_scheduled_time: float | None = None  # its first model call started
     first_token_time: float | None = None  # its first output token was sampled
+    last_token_time: float | None = None  # its latest output tokens were appended
     finished_time: float | None = None
     prefill_ms: float = 0.0  # model calls that computed its prompt (again after a preemption)
     decode_ms: float = 0.0  # decode calls it took part in
@@ -32,8 +33,18 @@ class RequestMetrics:
 
     @property
     def decode_ms_per_token(self) -> float:
-        """Decode time per token it produced: the inter-token latency this request saw."""
+        """Model-call time per decoded token: the decode calls it took part in (their sampling included), per token
+        they gave it. What the model costs; the latency it saw is `inter_token_ms`."""
         return self.decode_ms / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def inter_token_ms(self) -> float:
+        """Wall time per token after its first (first token to latest, per decoded token): the inter-token latency
+        this request saw, with everything between its model calls (scheduling, detokenizing, handing outputs over,
+        other requests' calls). What a baseline that times its own generation loop measures."""
+        if not self.decode_tokens or self.first_token_time is None or self.last_token_time is None:
+            return 0.0
+        return (self.last_token_time - self.first_token_time) * 1e3 / self.decode_tokens
 
     @property
     def e2e_ms(self) -> float | None:

@@ -17,7 +17,7 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"  # "eos" | "stop" | "length" | "context"
-    timings: dict[str, float] = field(default_factory=dict)  # this request's: prefill_ms, decode_ms_per_token...
+    timings: dict[str, float] = field(default_factory=dict)  # this request's: prefill_ms, decode_ms_per_token, inter_token_ms...
     metrics: RequestMetrics | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -44,6 +44,7 @@ def collector(result: GenerationResult, max_new_tokens: int, max_context: int, d
         result.metrics = output.metrics
         m = output.metrics
         result.timings = {"prefill_ms": round(m.prefill_ms, 3), "decode_ms_per_token": round(m.decode_ms_per_token, 3),
+                          "inter_token_ms": round(m.inter_token_ms, 3),
                           "decode_steps": m.decode_steps, "ttft_ms": round(m.time_to_first_token_ms or 0.0, 3),
                           "total_ms": round(m.e2e_ms or 0.0, 3)}
         done.append(output)

@@ -21,6 +21,9 @@ def test_result_fields_and_timings(engine):
     assert len(result.token_ids) == 5 and result.finish_reason == "length"
     assert result.text == engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     assert result.timings["prefill_ms"] > 0 and result.timings["decode_ms_per_token"] > 0
+    # the wall time between tokens holds the decode calls and what runs between them
+    assert result.timings["inter_token_ms"] >= result.timings["decode_ms_per_token"] - 0.001
+    assert result.timings["ttft_ms"] >= result.timings["prefill_ms"] - 0.001
     assert set(result.to_dict()) >= {"prompt", "token_ids", "text", "timings"}
 
 
