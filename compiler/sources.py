@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fxllm.compiler.gguf_cache import sharing_gguf_readers
+from fxllm.compiler.gguf_cache import gguf_reader, sharing_gguf_readers
 from fxllm.compiler.model_features import check_capabilities
 from fxllm.errors import ModelSourceError
 from fxllm.runtime.checks import short
@@ -100,10 +100,8 @@ def _gguf_path(source: ModelSource) -> Path:
 
 def _gguf_reader(source: ModelSource):
     """The GGUFReader of the source's file (shared within sharing_gguf_readers), or a ModelSourceError."""
-    from gguf import GGUFReader
-
     try:
-        return GGUFReader(_gguf_path(source))
+        return gguf_reader(_gguf_path(source))
     except Exception as exc:  # corrupt or truncated file
         raise ModelSourceError(f"cannot read GGUF file '{_gguf_path(source)}': {exc}{_past_end_hint(exc)}") from exc
 
