@@ -6,8 +6,9 @@ import contextlib
 import functools
 import importlib.util
 import json
+import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,14 @@ GGUF_SPECIAL_TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_tok
 GGUF_SIZE_KEYS = ("context_length", "block_count", "embedding_length", "vocab_size", "rope.dimension_count",
                   "attention.key_length", "attention.value_length")
 GGUF_PER_LAYER_SIZE_KEYS = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")
+# The GGUF header keys (after '{architecture}.') holding a real number transformers reads unchecked (as rope_theta,
+# rms_norm_eps / layer_norm_eps), what each must be, and its range test (on a finite value): a NaN or infinite one
+# compiled, and the non-finite logits it caused were blamed on the weights. An epsilon of 0 is valid.
+GGUF_NUMBER_KEYS: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "rope.freq_base": ("a positive finite number", lambda value: value > 0),
+    "attention.layer_norm_rms_epsilon": ("a finite number >= 0", lambda value: value >= 0),
+    "attention.layer_norm_epsilon": ("a finite number >= 0", lambda value: value >= 0),
+}
 # No GGUF tensor type stores a weight in less than one bit (IQ1_S: 1.56): a header whose sizes ask for more weights
 # than 8 per byte of the file is corrupt, and building it would allocate them (a vocab_size of 1e9: 256 GB asked).
 GGUF_MAX_WEIGHTS_PER_BYTE = 8
@@ -240,6 +249,33 @@ def _check_gguf_sizes(source: ModelSource, architecture: str) -> None:
     _check_gguf_weight_count(source, architecture)
 
 
+def _gguf_number(field) -> int | float | None:
+    """The value of an integer or float scalar GGUF field; None when it holds anything else (a string, a bool, an
+    array)."""
+    from gguf import GGUFValueType
+
+    if len(field.types) != 1 or field.types[0] in (GGUFValueType.STRING, GGUFValueType.BOOL) or not field.data:
+        return None
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def _check_gguf_numbers(source: ModelSource, architecture: str) -> None:
+    """Every GGUF_NUMBER_KEYS value present is one finite number in its range."""
+    reader = _gguf_reader(source)
+    for name, (what, in_range) in GGUF_NUMBER_KEYS.items():
+        key = f"{architecture}.{name}"
+        field = reader.fields.get(key)
+        if field is None:
+            continue
+        value = _gguf_number(field)
+        if value is None or not math.isfinite(value) or not in_range(value):
+            value = _gguf_value(reader, key)
+            # 7 digits: a float32's -1e-5 reads as -1e-05, not as the -9.99999974737875e-06 it widens to
+            shown = f"{value:.7g}" if isinstance(value, float) else short(value)
+            raise ModelSourceError(f"'{_gguf_path(source)}': {key} must be {what}, got {shown} "
+                                   f"({_gguf_type_name(field)})")
+
+
 def _check_gguf_weight_count(source: ModelSource, architecture: str) -> None:
     """Refuse a header (sizes already checked positive) describing more weights than the file can hold: at least
     the embedding (vocab_size x embedding_length) and each block's feed-forward (embedding x feed_forward_length)."""
@@ -284,12 +320,14 @@ def check_supported(source: ModelSource) -> None:
     """Refuse, before any weight is loaded, a source fxllm cannot compile, naming the feature (an encoder-decoder,
     no causal-LM class, state-space or chunked-attention layers, ALiBi: model_features.check_capabilities), and a
     config whose sizes are not positive integers or whose context exceeds MAX_CONTEXT. A GGUF file's header must be
-    readable here, its size keys positive integers describing no more weights than the file can hold, and its
-    tensors aligned and disjoint; its config is only known once transformers parses the whole file, so load_model
-    checks the rest."""
+    readable here (every tensor with at least one dimension), its size keys positive integers describing no more
+    weights than the file can hold, its rotary base and norm epsilons finite numbers in range (GGUF_NUMBER_KEYS), and
+    its tensors aligned and disjoint; its config is only known once transformers parses the whole file, so
+    load_model checks the rest."""
     architecture = source_architecture(source)
     if source.gguf_file:
         _check_gguf_sizes(source, architecture.removeprefix("gguf:"))
+        _check_gguf_numbers(source, architecture.removeprefix("gguf:"))
         _check_gguf_context(source, architecture.removeprefix("gguf:"))
         _check_gguf_tensor_layout(source)
         return

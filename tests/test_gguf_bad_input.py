@@ -1,15 +1,21 @@
-"""GGUF files a hostile user hands to `fxllm compile`: a tensor without dimensions. Each is refused in one line
-naming the file and the tensor, before anything is written; before, it failed inside gguf-py ("tuple index out of
-range")."""
+"""GGUF files a hostile user hands to `fxllm compile`: a tensor without dimensions, a rotary base or norm epsilon
+that is not a usable number. Each is refused in one line naming the file and the tensor or key, before anything is
+written; before, the first failed inside gguf-py ("tuple index out of range") and the others compiled, their NaN
+logits then blamed on the weights."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType
 
 from fxllm.cli import main
+from fxllm.compiler.sources import check_supported, resolve_source
+from fxllm.errors import ModelSourceError
+from tests.gguf_files import Typed
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +80,40 @@ def test_a_tensor_without_dimensions_is_named(q8_gguf, tmp_path, capfd, monkeypa
     path = without_dimensions(q8_gguf, tmp_path / "z.gguf", name, type_name)
     line = compile_error(path, tmp_path / "artifact", capfd)
     assert f"z.gguf': tensor {name} has no dimensions" in line, line
+
+
+FLOAT32, FLOAT64 = GGUFValueType.FLOAT32, GGUFValueType.FLOAT64
+ROPE_BASE, EPSILON = "must be a positive finite number, got", "must be a finite number >= 0, got"
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.rope.freq_base", Typed(math.nan, FLOAT32), rf"{ROPE_BASE} nan \(FLOAT32\)"),
+    ("llama.rope.freq_base", Typed(math.inf, FLOAT32), rf"{ROPE_BASE} inf \(FLOAT32\)"),
+    ("llama.rope.freq_base", Typed(0.0, FLOAT32), rf"{ROPE_BASE} 0 \(FLOAT32\)"),
+    ("llama.rope.freq_base", Typed(-10000.0, FLOAT64), rf"{ROPE_BASE} -10000 \(FLOAT64\)"),
+    ("llama.rope.freq_base", Typed("10000", GGUFValueType.STRING), rf"{ROPE_BASE} '10000' \(STRING\)"),
+    ("llama.rope.freq_base", Typed([10000.0], GGUFValueType.ARRAY, FLOAT32), rf"{ROPE_BASE} 10000 \(ARRAY/FLOAT32\)"),
+    ("llama.attention.layer_norm_rms_epsilon", Typed(-1e-5, FLOAT32), rf"{EPSILON} -1e-05 \(FLOAT32\)"),
+    ("llama.attention.layer_norm_rms_epsilon", Typed(math.nan, FLOAT32), rf"{EPSILON} nan \(FLOAT32\)"),
+    ("llama.attention.layer_norm_epsilon", Typed(math.nan, FLOAT32), rf"{EPSILON} nan \(FLOAT32\)"),  # LayerNorm's
+])
+def test_a_bad_rope_base_or_norm_epsilon_is_named(tiny_hf, tmp_path, key, value, message):
+    """Read as transformers' rope_theta / rms_norm_eps, these compiled: NaN or infinite logits at the first step."""
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(tiny_hf, tmp_path / "m.gguf", overrides={key: value})
+    with pytest.raises(ModelSourceError, match=r"m\.gguf': " + key.replace(".", r"\.") + " " + message) as caught:
+        check_supported(resolve_source(path))
+    assert "\n" not in str(caught.value)
+
+
+def test_compile_refuses_a_nan_rope_base_in_one_line(tiny_hf, tmp_path, capfd, monkeypatch):
+    """The hostile user's command: one line naming the key, nothing written (it compiled, then the logits check
+    blamed the weights)."""
+    from tests.gguf_files import write_gguf
+
+    monkeypatch.setenv("FXLLM_QUIET", "1")
+    path = write_gguf(tiny_hf, tmp_path / "m.gguf",
+                      overrides={"llama.rope.freq_base": Typed(math.nan, GGUFValueType.FLOAT32)})
+    line = compile_error(path, tmp_path / "artifact", capfd)
+    assert "m.gguf': llama.rope.freq_base must be a positive finite number, got nan (FLOAT32)" in line, line
