@@ -10,7 +10,8 @@ The served object has `model_names`, `check_model(name)`, `card(name)`, `health(
 non-streamed request whose client disconnects is cancelled, which aborts its engine requests.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model}, GET /health,
-GET /metrics. /v1/ routes need the API key when one is set; /health and /metrics do not.
+GET /metrics; HEAD on any route is answered as GET without the body. /v1/ routes need the API key when one is set;
+/health and /metrics do not.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from fxllm import __version__
 from fxllm.serving.errors import install_error_handlers
-from fxllm.serving.middleware import APIKeyGuard, BodySizeLimit, BugGuard
+from fxllm.serving.middleware import (APIKeyGuard, BodyReadTimeout, BodySizeLimit, BugGuard, HeadAsGet,
+                                      IdentityEncodingOnly)
 from fxllm.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, Health, ModelCard, ModelList)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 415, 422, 429, 500, 503)}
 # One server-sent event (OpenAPI before 3.2: the `schema` of an event stream describes each event).
 _EVENT = {"type": "object", "required": ["data"],
           "properties": {"data": {"type": "string", "description": "a chunk as JSON (the response object with text or "
@@ -40,14 +43,18 @@ _STREAMED = {200: {"content": {"text/event-stream": {"schema": _EVENT}},
 
 
 def create_app(get_service: Callable[[], object], api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The app. `get_service()` is called on every request; `api_key` guards the /v1/ routes."""
+               max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
+    """The app. `get_service()` is called on every request; `api_key` guards the /v1/ routes; a body must be at most
+    `max_body_bytes` long (413) and arrive within `body_timeout` seconds of the request (408)."""
     app = FastAPI(title="fxllm", version=__version__, description="OpenAI-compatible API of an fxllm artifact")
     install_error_handlers(app)
+    app.add_middleware(BodyReadTimeout, seconds=body_timeout)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(IdentityEncodingOnly)
     if api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=api_key)
-    app.add_middleware(BugGuard)  # added last: the outermost of these, so that it sees what the others raise
+    app.add_middleware(BugGuard)  # the outermost of the guards, so that it sees what the others raise
+    app.add_middleware(HeadAsGet)  # outside BugGuard, so that its 500 to a HEAD has no body either
 
     def service():
         return get_service()

@@ -8,8 +8,9 @@
 | 401 | a missing or wrong API key |
 | 404 | an unknown model or route |
 | 405 | a wrong method |
+| 408 | a body that does not arrive within the body timeout (a Content-Length the client does not send) |
 | 413 | a body over the size limit |
-| 415 | a body sent without a JSON Content-Type (none, or e.g. `curl -d`'s form encoding) |
+| 415 | a body sent without a JSON Content-Type (none, or e.g. `curl -d`'s form encoding), or compressed |
 | 422 | a JSON body that does not fit the schema (not an object, wrong types, missing fields) |
 | 429 | the request queue is full (retry later) |
 | 500 | a model call failed, or a bug: a one-line message, never a traceback (the server log has it) |
@@ -38,8 +39,9 @@ logger = logging.getLogger("fxllm.serving")
 _UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|^[a-z_-]+\[.*\]$")  # pydantic's union members in a loc
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-               422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -129,7 +131,7 @@ def not_an_object(content_type: str | None, body) -> APIError:
     -d` sends form encoding; a body without a Content-Type is not parsed either, FastAPI's guard against cross-site
     requests), or JSON of another type (422)."""
     if isinstance(body, (bytes, bytearray)):
-        came = f"came as '{_one_line(content_type)[:MAX_SHOWN]}'" if content_type else "came without a Content-Type"
+        came = f"came as '{shown(content_type)}'" if content_type else "came without a Content-Type"
         return APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json'; this one "
                              f"{came}")
     kind = next((name for kind, name in _JSON_TYPES if isinstance(body, kind)), type(body).__name__)
@@ -137,6 +139,11 @@ def not_an_object(content_type: str | None, body) -> APIError:
 
 
 MAX_SHOWN = 100  # characters of a request's header that an error repeats
+
+
+def shown(header: str) -> str:
+    """A request header's value as an error repeats it: one line, at most MAX_SHOWN characters."""
+    return _one_line(header)[:MAX_SHOWN]
 
 
 def unreadable_body(cause: BaseException) -> str:
@@ -160,7 +167,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         message = unreadable_body(exc.__cause__)
     elif not message:
         message = HTTPStatus(status).phrase
-    code = "request_too_large" if status == 413 else None
+    code = {408: "request_timeout", 413: "request_too_large"}.get(status)
     response = APIError(status, _one_line(message), code=code).response()
     for name, value in (exc.headers or {}).items():
         response.headers[name] = value

@@ -1,15 +1,17 @@
 """Guards in front of the routes, as plain ASGI middleware so that they act before the body is read or parsed: the
 API key (401 for /v1/ routes without `Authorization: Bearer KEY`; compared in constant time), the body size limit
-(413 from the Content-Length header, or once the bytes received pass it), and the answer to a bug (BugGuard)."""
+(413 from the Content-Length header, or once the bytes received pass it), a compressed body (415), a body that does
+not arrive in time (408), HEAD answered as GET without the body, and the answer to a bug (BugGuard)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fxllm.serving.errors import APIError, internal_error, logger
+from fxllm.serving.errors import APIError, internal_error, logger, shown
 
 PROTECTED_PREFIX = "/v1/"
 
@@ -67,6 +69,78 @@ class BodySizeLimit:
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than the server's limit of {self.max_bytes:,} bytes",
                         code="request_too_large")
+
+
+class IdentityEncodingOnly:
+    """415 for a request that declares a Content-Encoding other than `identity` (a gzip body would otherwise fail as
+    "not UTF-8 text"). Refused rather than decompressed: a few KiB of gzip can inflate past the body size limit."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            declared = b", ".join(value for key, value in scope["headers"] if key == b"content-encoding")
+            if any(token.strip().lower() not in (b"", b"identity") for token in declared.split(b",")):
+                encoding = shown(declared.decode("latin-1"))
+                error = APIError(415, f"Content-Encoding '{encoding}' is not supported; send the JSON body "
+                                      "uncompressed", code="unsupported_content_encoding")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyReadTimeout:
+    """408 (with `Connection: close`, which frees the connection) when the app waits for body bytes more than
+    `seconds` after the request began: a Content-Length that promises more than the client sends would otherwise
+    hold the connection forever (uvicorn has no such timeout). Once the body is complete, `receive` is no longer
+    timed: the routes then wait on it for the client's disconnect for as long as they generate."""
+
+    def __init__(self, app: ASGIApp, seconds: float):
+        self.app, self.seconds = app, seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.seconds
+        complete = False
+
+        async def timed_receive() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {self.seconds:g} seconds",
+                                    headers={"Connection": "close"}) from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
+class HeadAsGet:
+    """HEAD answered as GET without the body: the same status and headers (Content-Length included), as load
+    balancers' and Kubernetes' probes expect. The routes are declared for GET only, so that the OpenAPI schema has one
+    operation each; the app is given a copy of the scope, so the server still knows the request was HEAD."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class BugGuard:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import socket
 from dataclasses import dataclass
@@ -33,12 +34,15 @@ class ServeOptions:
     drain_timeout: float = 30.0
     access_log: bool = False
     log_level: str = "warning"
+    body_timeout: float = 30.0
 
     def check(self) -> None:
         """FxllmError (one line) for an option no server can take; before anything loads."""
         if not 0 <= self.port <= 65535:
             raise FxllmError(f"--port must be between 0 and 65535, got {self.port}")
         check_drain_timeout(self.drain_timeout)
+        if not (self.body_timeout > 0 and math.isfinite(self.body_timeout)):
+            raise FxllmError(f"--body-timeout must be a number of seconds > 0, got {self.body_timeout}")
 
 
 def check_drain_timeout(seconds: float) -> None:
@@ -66,7 +70,7 @@ def serve(options: ServeOptions, **engine_options) -> int:
         sock.close()
         raise
     service = OpenAIService(AsyncEngine(engine), config)
-    app = create_app(lambda: service, api_key=options.api_key)
+    app = create_app(lambda: service, api_key=options.api_key, body_timeout=options.body_timeout)
     uvicorn_config = uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log, lifespan="off",
                                     timeout_graceful_shutdown=options.drain_timeout + ABORT_GRACE)
     server = _draining_server(service, uvicorn_config, options.drain_timeout)

@@ -1,0 +1,152 @@
+"""HTTP edges a load balancer or a hostile client reaches, against a real `fxllm serve`: HEAD answered as GET without
+the body, a compressed body refused with 415 naming its encoding, and a body that never arrives answered 408 within
+--body-timeout (the connection freed), the server serving normally after each."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.serving.conftest import API_KEY, FXLLM, MODEL, ServerProcess, slow_steps_env
+
+BODY_TIMEOUT = 2.0
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+STEP_SECONDS = 0.02  # LONG's 200 model calls take 4 s: longer than BODY_TIMEOUT
+LONG = {"model": MODEL, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def edge_server(serve_artifact, tmp_path_factory):
+    """A server with a BODY_TIMEOUT of 2 s whose model calls take STEP_SECONDS at least."""
+    directory = tmp_path_factory.mktemp("edges")
+    process = ServerProcess(serve_artifact, "--served-model-name", MODEL, "--api-key", API_KEY, "--threads", "1",
+                            "--body-timeout", str(BODY_TIMEOUT), log=directory / "stderr.log",
+                            env=slow_steps_env(directory / "site", STEP_SECONDS))
+    yield process
+    assert process.terminate() == 0, process.log.read_text()
+
+
+def connect(server: ServerProcess) -> socket.socket:
+    host, port = server.root.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def read_head(sock: socket.socket, buffered: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """The status and headers (lower-case names) of the next response on `sock`, and the bytes read past them."""
+    data = buffered
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"the server closed the connection before answering: {data!r}")
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, rest
+
+
+def read_body(sock: socket.socket, headers: dict[str, str], rest: bytes) -> tuple[bytes, bytes]:
+    """The body announced by `headers`' Content-Length, and the bytes read past it."""
+    length = int(headers["content-length"])
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the server closed the connection mid-answer")
+        rest += chunk
+    return rest[:length], rest[length:]
+
+
+def error_of(body: bytes) -> dict:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"], error
+    return error
+
+
+@pytest.mark.parametrize("path, headers", [("/health", {}), ("/metrics", {}), ("/v1/models", AUTH),
+                                           (f"/v1/models/{MODEL}", AUTH)])
+def test_head_is_answered_as_get_without_the_body(edge_server, path, headers):
+    """HEAD (load balancers', Kubernetes' probes) gets the GET's status and headers, Content-Length included, and no
+    body: on the same keep-alive connection the next response starts right after the HEAD's headers."""
+    get = httpx.get(edge_server.root + path, headers=headers, timeout=30)
+    sent = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    with connect(edge_server) as sock:
+        sock.sendall(f"HEAD {path} HTTP/1.1\r\nHost: fxllm\r\n{sent}\r\n".encode()
+                     + b"GET /health HTTP/1.1\r\nHost: fxllm\r\n\r\n")
+        status, head_headers, rest = read_head(sock)
+        assert status == get.status_code == 200, status
+        assert head_headers["content-type"] == get.headers["content-type"]
+        if path != "/metrics":  # the metrics' text changes between two scrapes
+            assert int(head_headers["content-length"]) == len(get.content)
+        status, health_headers, rest = read_head(sock, rest)  # no body came in between
+        assert status == 200 and json.loads(read_body(sock, health_headers, rest)[0]) == {"status": "ok"}
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "identity, gzip", "GZIP"])
+def test_a_compressed_body_is_415_naming_its_encoding(edge_server, encoding):
+    """A body with a Content-Encoding other than identity is refused in one line (it had failed as "not UTF-8 text
+    (byte 1)"); the server is not asked to inflate what could be a zip bomb."""
+    body = gzip.compress(json.dumps(OK).encode())
+    answer = httpx.post(f"{edge_server.url}/completions", content=body, timeout=30,
+                        headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": encoding})
+    assert answer.status_code == 415, answer.text
+    error = error_of(answer.content)
+    assert error["message"] == f"Content-Encoding '{encoding}' is not supported; send the JSON body uncompressed"
+    assert (error["type"], error["code"]) == ("invalid_request_error", "unsupported_content_encoding")
+    plain = httpx.post(f"{edge_server.url}/completions", json=OK, timeout=60,
+                       headers={**AUTH, "Content-Encoding": "identity"})
+    assert plain.status_code == 200, plain.text
+
+
+def test_a_body_that_never_arrives_is_408_and_frees_the_connection(edge_server):
+    """Content-Length 1000 and 10 bytes sent: after --body-timeout the client gets the OpenAI 408 with `Connection:
+    close` and the connection is closed (uvicorn alone would hold it forever). The timeout bounds the body's arrival
+    only: afterwards a body sent in two parts within it is served, and requests that generate for longer than it once
+    their body is in (the routes then wait on the connection for a disconnect) finish normally, streamed or not."""
+    with connect(edge_server) as sock:
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fxllm\r\nAuthorization: Bearer " + API_KEY.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        status, headers, rest = read_head(sock)
+        waited = time.monotonic() - start
+        body, rest = read_body(sock, headers, rest)
+        assert status == 408 and headers.get("connection") == "close", (status, headers, body)
+        assert BODY_TIMEOUT * 0.9 <= waited < BODY_TIMEOUT + 10, waited
+        error = error_of(body)
+        assert error["message"] == f"the request body did not arrive within {BODY_TIMEOUT:g} seconds"
+        assert error["code"] == "request_timeout"
+        assert rest == b"" and sock.recv(1) == b""  # closed by the server
+    payload = json.dumps(LONG).encode()
+    with connect(edge_server) as sock:
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fxllm\r\nAuthorization: Bearer " + API_KEY.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(payload)).encode()
+                     + b"\r\n\r\n" + payload[:5])
+        time.sleep(BODY_TIMEOUT / 4)
+        sock.sendall(payload[5:])
+        status, headers, rest = read_head(sock)
+        body = json.loads(read_body(sock, headers, rest)[0])
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    assert time.monotonic() - start > BODY_TIMEOUT
+    with httpx.stream("POST", f"{edge_server.url}/completions", json={**LONG, "stream": True}, headers=AUTH,
+                      timeout=60) as streamed:
+        events = [line for line in streamed.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2], events[-3:]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--body-timeout", "0"], "--body-timeout must be a number of seconds > 0, got 0.0"),
+    (["--body-timeout", "nan"], "--body-timeout must be a number of seconds > 0, got nan"),
+    (["--body-timeout", "5", "--ray"], "--body-timeout only applies without --ray"),
+])
+def test_a_bad_body_timeout_is_one_line(serve_artifact, options, message):
+    done = subprocess.run([FXLLM, "serve", str(serve_artifact), "--port", "0", *options], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "FXLLM_API_KEY": ""})
+    assert done.returncode == 1 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done
