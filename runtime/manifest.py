@@ -21,6 +21,8 @@ from fxllm.runtime.contract import (ARTIFACT_KIND, FLOAT_DTYPES, FORMAT_VERSION,
                                     ModelIO, ModelSpec, TensorSig)
 
 DRAFT_MODES = ("model", "self-int4", "self-layers", "ngram")
+# The oldest artifact format this fxllm reads (versions up to FORMAT_VERSION): the first; no fxllm wrote a lower one.
+OLDEST_FORMAT_VERSION = 1
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -85,13 +87,18 @@ def load_manifest(directory: str | os.PathLike, verify: bool = True) -> Manifest
 
 
 def parse_manifest(data: Any, directory: Path) -> Manifest:
-    """Validate a manifest document against the schema; ArtifactError names the first bad field."""
+    """Validate a manifest document against the schema; ArtifactError names the first bad field. Its format_version
+    must be one this fxllm reads: OLDEST_FORMAT_VERSION to FORMAT_VERSION."""
     version = data.get("format_version") if isinstance(data, dict) else None
     if not _is_int(version):
         raise ArtifactError(f"{directory / MANIFEST_FILE} has no format_version; it was not written by fxllm")
     if version > FORMAT_VERSION:
         raise ArtifactError(f"artifact format version {version} is newer than this fxllm supports ({FORMAT_VERSION}); "
                             f"upgrade fxllm (it was written by fxllm {data.get('fxllm_version', '?')})")
+    if version < OLDEST_FORMAT_VERSION:
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: artifact format version {version} is older than this fxllm "
+                            f"reads ({OLDEST_FORMAT_VERSION} to {FORMAT_VERSION}); recompile the artifact (its "
+                            f"manifest names fxllm {data.get('fxllm_version', '?')})")
     fields_ = _Fields(data, directory)
     if "kind" in data and data["kind"] != ARTIFACT_KIND:
         fields_.fail("kind", f"must be '{ARTIFACT_KIND}'")

@@ -130,6 +130,15 @@ def test_wrong_fields_are_artifact_errors(artifact, path, value, message):
         fxllm.load(artifact, verify=False)
 
 
+@pytest.mark.parametrize("version", [0, -1])
+def test_a_format_version_older_than_any_this_fxllm_reads_is_refused(artifact, version):
+    """Versions below the first were accepted and the manifest read as if it were the current format."""
+    _set_field(artifact, ("format_version",), version)
+    with pytest.raises(ArtifactError, match=rf"manifest\.json: artifact format version {version} is older than this "
+                                            r"fxllm reads \(1 to \d+\); recompile the artifact"):
+        fxllm.load(artifact, verify=False)
+
+
 @pytest.mark.parametrize("path, value, message", [
     (("source",), None, "'source' must be {\"name\""),
     (("source",), {}, "'source' must be {\"name\""),
