@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive before the request gets 408 (default 30)")
+    p.add_argument("--allowed-origins", metavar="ORIGINS",
+                   help="let browsers on these comma-separated origins (or *) call the server: CORS (default: none)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     ray = p.add_argument_group("Ray Serve (the `ray` extra; docs/ray.md)")
     ray.add_argument("--ray", action="store_true", help="serve as a Ray Serve application: replicas that each own "
@@ -320,16 +322,18 @@ def cmd_serve(args) -> int:
                                           ("--ray-address", args.ray_address), ("--router", args.router != "default"),
                                           ("--replica-cpus", args.replica_cpus != 1.0),
                                           ("--replica-gpus", args.replica_gpus != 0.0)) if given]
-    if args.ray and args.body_timeout != 30.0:  # the Ray Serve ingress keeps the app's default
-        raise UsageError("--body-timeout only applies without --ray")
-    from fxllm.serving.server import ServeOptions, serve
+    for flag, given in (("--body-timeout", args.body_timeout != 30.0), ("--allowed-origins", args.allowed_origins)):
+        if args.ray and given:  # the Ray Serve ingress keeps the app's defaults
+            raise UsageError(f"{flag} only applies without --ray")
+    from fxllm.serving.server import ServeOptions, parse_origins, serve
 
     if args.api_key is not None and not args.api_key.strip():  # e.g. --api-key "$UNSET": serving open by mistake
         raise UsageError("--api-key is empty; give the key, or leave the option out to serve without one")
     api_key = args.api_key if args.api_key is not None else os.environ.get("FXLLM_API_KEY") or None
     options = ServeOptions(args.artifact, args.host, args.port, args.served_model_name, api_key,
                            args.max_queue, args.drain_timeout, args.access_log, "info" if args.verbose else "warning",
-                           body_timeout=args.body_timeout)
+                           body_timeout=args.body_timeout,
+                           allowed_origins=() if args.allowed_origins is None else parse_origins(args.allowed_origins))
     if args.ray:
         from fxllm.serving.ray.cluster import RayServeOptions, serve_on_ray
 

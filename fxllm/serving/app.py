@@ -11,15 +11,16 @@ non-streamed request whose client disconnects is cancelled, which aborts its eng
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model}, GET /health,
 GET /metrics; HEAD on any route is answered as GET without the body. /v1/ routes need the API key when one is set;
-/health and /metrics do not.
+/health and /metrics do not. CORS headers are sent only for the origins given (none by default).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from fxllm import __version__
@@ -43,9 +44,11 @@ _STREAMED = {200: {"content": {"text/event-stream": {"schema": _EVENT}},
 
 
 def create_app(get_service: Callable[[], object], api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT,
+               allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The app. `get_service()` is called on every request; `api_key` guards the /v1/ routes; a body must be at most
-    `max_body_bytes` long (413) and arrive within `body_timeout` seconds of the request (408)."""
+    `max_body_bytes` long (413) and arrive within `body_timeout` seconds of the request (408); browsers on
+    `allowed_origins` (`*`: any) may call it (CORS; none by default)."""
     app = FastAPI(title="fxllm", version=__version__, description="OpenAI-compatible API of an fxllm artifact")
     install_error_handlers(app)
     app.add_middleware(BodyReadTimeout, seconds=body_timeout)
@@ -55,6 +58,9 @@ def create_app(get_service: Callable[[], object], api_key: str | None = None,
         app.add_middleware(APIKeyGuard, api_key=api_key)
     app.add_middleware(BugGuard)  # the outermost of the guards, so that it sees what the others raise
     app.add_middleware(HeadAsGet)  # outside BugGuard, so that its 500 to a HEAD has no body either
+    if allowed_origins:  # outermost: a preflight carries no API key, and every answer, errors too, needs the headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
+                           allow_headers=["*"])
 
     def service():
         return get_service()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import signal
 import socket
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class ServeOptions:
     access_log: bool = False
     log_level: str = "warning"
     body_timeout: float = 30.0
+    allowed_origins: tuple[str, ...] = ()
 
     def check(self) -> None:
         """FxllmError (one line) for an option no server can take; before anything loads."""
@@ -43,6 +45,22 @@ class ServeOptions:
         check_drain_timeout(self.drain_timeout)
         if not (self.body_timeout > 0 and math.isfinite(self.body_timeout)):
             raise FxllmError(f"--body-timeout must be a number of seconds > 0, got {self.body_timeout}")
+
+
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+", re.IGNORECASE)
+
+
+def parse_origins(text: str) -> tuple[str, ...]:
+    """`--allowed-origins`: comma-separated origins (`scheme://host[:port]`, as browsers send them) or `*`; an empty
+    list, or an entry with a path (a trailing slash never matches), is a one-line FxllmError."""
+    origins = tuple(origin.strip() for origin in text.split(",") if origin.strip())
+    if not origins:
+        raise FxllmError("--allowed-origins is empty; give origins such as http://localhost:3000, or *")
+    for origin in origins:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise FxllmError(f"--allowed-origins: '{origin}' is not an origin (scheme://host[:port], without a path "
+                             "or a trailing slash) or *")
+    return origins
 
 
 def check_drain_timeout(seconds: float) -> None:
@@ -70,7 +88,8 @@ def serve(options: ServeOptions, **engine_options) -> int:
         sock.close()
         raise
     service = OpenAIService(AsyncEngine(engine), config)
-    app = create_app(lambda: service, api_key=options.api_key, body_timeout=options.body_timeout)
+    app = create_app(lambda: service, api_key=options.api_key, body_timeout=options.body_timeout,
+                     allowed_origins=options.allowed_origins)
     uvicorn_config = uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log, lifespan="off",
                                     timeout_graceful_shutdown=options.drain_timeout + ABORT_GRACE)
     server = _draining_server(service, uvicorn_config, options.drain_timeout)

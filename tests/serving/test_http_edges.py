@@ -1,9 +1,11 @@
-"""HTTP edges a load balancer or a hostile client reaches, against a real `fxllm serve`: HEAD answered as GET without
-the body, a compressed body refused with 415 naming its encoding, and a body that never arrives answered 408 within
---body-timeout (the connection freed), the server serving normally after each."""
+"""HTTP edges a load balancer, a browser or a hostile client reaches, against a real `fxllm serve`: HEAD answered as
+GET without the body, a compressed body refused with 415 naming its encoding, a body that never arrives answered 408
+within --body-timeout (the connection freed), the server serving normally after each; CORS for --allowed-origins
+only."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
@@ -14,9 +16,11 @@ import time
 import httpx
 import pytest
 
+from fxllm.serving.app import create_app
 from tests.serving.conftest import API_KEY, FXLLM, MODEL, ServerProcess, slow_steps_env
 
 BODY_TIMEOUT = 2.0
+ORIGINS = ("http://app.example", "https://b.example:8443")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
 STEP_SECONDS = 0.02  # LONG's 200 model calls take 4 s: longer than BODY_TIMEOUT
@@ -25,11 +29,11 @@ LONG = {"model": MODEL, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "
 
 @pytest.fixture(scope="module")
 def edge_server(serve_artifact, tmp_path_factory):
-    """A server with a BODY_TIMEOUT of 2 s whose model calls take STEP_SECONDS at least."""
+    """A server with a BODY_TIMEOUT of 2 s and CORS for ORIGINS, whose model calls take STEP_SECONDS at least."""
     directory = tmp_path_factory.mktemp("edges")
     process = ServerProcess(serve_artifact, "--served-model-name", MODEL, "--api-key", API_KEY, "--threads", "1",
-                            "--body-timeout", str(BODY_TIMEOUT), log=directory / "stderr.log",
-                            env=slow_steps_env(directory / "site", STEP_SECONDS))
+                            "--body-timeout", str(BODY_TIMEOUT), "--allowed-origins", ", ".join(ORIGINS),
+                            log=directory / "stderr.log", env=slow_steps_env(directory / "site", STEP_SECONDS))
     yield process
     assert process.terminate() == 0, process.log.read_text()
 
@@ -141,12 +145,44 @@ def test_a_body_that_never_arrives_is_408_and_frees_the_connection(edge_server):
     assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2], events[-3:]
 
 
+def test_cors_answers_the_allowed_origins_only(edge_server):
+    """A browser's preflight from an allowed origin (no API key: browsers send none) is allowed with the headers it
+    asks for, and the answers to it, errors included, carry its origin; another origin gets no CORS header, and an app
+    made without `allowed_origins` sends none at all (as before the option)."""
+    preflight = {"Origin": ORIGINS[1], "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os"}
+    allowed = httpx.options(f"{edge_server.url}/chat/completions", headers=preflight, timeout=30)
+    assert allowed.status_code == 200, allowed.text
+    assert allowed.headers["access-control-allow-origin"] == ORIGINS[1]
+    assert "POST" in allowed.headers["access-control-allow-methods"]
+    assert allowed.headers["access-control-allow-headers"] == "authorization,content-type,x-stainless-os"
+    answer = httpx.post(f"{edge_server.url}/completions", json=OK, headers={**AUTH, "Origin": ORIGINS[0]}, timeout=60)
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == ORIGINS[0]
+    refused = httpx.get(f"{edge_server.url}/models", headers={"Origin": ORIGINS[0]}, timeout=30)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ORIGINS[0]
+    other = httpx.get(f"{edge_server.root}/health", headers={"Origin": "http://evil.example"}, timeout=30)
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+    assert httpx.options(f"{edge_server.url}/chat/completions", timeout=30,
+                         headers={**preflight, "Origin": "http://evil.example"}).status_code == 400
+
+    async def default_app() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(lambda: None))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.options("/v1/chat/completions", headers=preflight)
+
+    default = asyncio.run(default_app())
+    assert default.status_code == 405 and not any(name.startswith("access-control-") for name in default.headers)
+
+
 @pytest.mark.parametrize("options, message", [
     (["--body-timeout", "0"], "--body-timeout must be a number of seconds > 0, got 0.0"),
     (["--body-timeout", "nan"], "--body-timeout must be a number of seconds > 0, got nan"),
     (["--body-timeout", "5", "--ray"], "--body-timeout only applies without --ray"),
+    (["--allowed-origins", "http://localhost:3000/"], "--allowed-origins: 'http://localhost:3000/' is not an origin"),
+    (["--allowed-origins", " , "], "--allowed-origins is empty"),
+    (["--allowed-origins", "*", "--ray"], "--allowed-origins only applies without --ray"),
 ])
-def test_a_bad_body_timeout_is_one_line(serve_artifact, options, message):
+def test_a_bad_option_is_one_line(serve_artifact, options, message):
     done = subprocess.run([FXLLM, "serve", str(serve_artifact), "--port", "0", *options], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "FXLLM_API_KEY": ""})
     assert done.returncode == 1 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done
