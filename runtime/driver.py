@@ -182,6 +182,8 @@ class CoreDriver:
 
     def _apply_pending(self) -> None:
         """Queued requests into the core, then queued aborts (which may name a request just queued)."""
+        if self._applied == self._queued:  # nothing queued (one queued meanwhile waits for the next step): no lock
+            return
         with self._lock:  # swapped, not copied and cleared: an abort queued meanwhile (by the collector) stays
             requests, aborts, self._pending, self._aborts = self._pending, self._aborts, deque(), deque()
             upto = self._queued
