@@ -13,6 +13,11 @@ A contiguous cache whose past inputs name dim 2 `capacity` (KV_CAPACITY) is a sh
 GroupQueryAttention lowering): past_{kind}_{layer} [batch, kv_heads, capacity, head_dim] holds the past in rows
 [0, total - tokens), total = attention_mask's length; the step writes its rows [total - tokens, total) in place and
 present_{kind}_{layer} is that same buffer, which the caller binds to the same memory (ModelIO.aliases).
+Rows of different lengths are left-padded there (the graph masks the padding). Named `capacity_per_row`
+(KV_CAPACITY_PER_ROW) instead, every row's own tokens start at buffer row 0 (ModelIO.right_padded): the caller
+right-pads, attention_mask row b is 1 on exactly its first n_b columns (n_b: the row's past + new tokens), and a
+step writes row b's new tokens at rows [n_b − tokens, n_b); the graph reads each row's length from the mask and
+needs no padding mask (GroupQueryAttention's own per-row lengths).
 A paged pool whose inputs are [1, kv_heads, pool_slots_b{block_size}, head_dim] is head-major (the ort target's
 paged-run lowering): the runtime stores the pool as [2·layers, kv_heads, slots, head_dim] (one head of padding
 after it) and feeds each layer the C-contiguous view of that shape starting at the first block the batch reads
@@ -56,6 +61,7 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # logits and KV caches
 
 CONTIGUOUS, PAGED = "contiguous", "paged"
 KV_CAPACITY = "capacity"  # dim 2 of a shared-buffer contiguous cache (see the module docstring)
+KV_CAPACITY_PER_ROW = "capacity_per_row"  # the same, each row's tokens from buffer row 0 (right-padded rows)
 _POOL_SLOTS = re.compile(r"^pool_slots_b([1-9][0-9]*)$")  # dim 2 of a head-major paged pool (the module docstring)
 CACHE_KINDS = ("key", "value")
 _CACHE_NAMES = {  # cache kind → (input pattern, output pattern)
@@ -249,8 +255,20 @@ class ModelIO:
         """A contiguous cache the step updates in place: each present output aliases its past input."""
         if self.cache != CONTIGUOUS:
             return False
+        return self._capacity_dim() in (KV_CAPACITY, KV_CAPACITY_PER_ROW)
+
+    @property
+    def right_padded(self) -> bool:
+        """A shared buffer whose rows each start at buffer row 0: a batch's rows are right-padded (module docstring)."""
+        return self._capacity_dim() == KV_CAPACITY_PER_ROW
+
+    def _capacity_dim(self) -> int | str | None:
+        """Dim 2 of every contiguous past input when they all name the same one, else None."""
+        if self.cache != CONTIGUOUS:
+            return None
         pasts = [sig for sig in self.inputs if (role := parse_cache_name(sig.name)) is not None and role.is_input]
-        return bool(pasts) and all(len(sig.dims) == 4 and sig.dims[2] == KV_CAPACITY for sig in pasts)
+        dims = {sig.dims[2] if len(sig.dims) == 4 else None for sig in pasts}
+        return dims.pop() if len(dims) == 1 else None
 
     @property
     def aliases(self) -> dict[str, str]:

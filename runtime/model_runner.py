@@ -7,7 +7,8 @@ Contiguous cache, one batch at a time: a prefill left-pads the rows' prompts (`a
 `position_ids = max(cumsum(mask) - 1, 0)`) and starts a new cache (a one-row prompt is fed in calls of equal
 spans of at most `prefill_tokens` tokens; None: one call); each decode feeds every remaining row's last
 token after dropping the cache rows of requests that left (and any leading columns that are padding in every row
-still there). Paged cache: rows at their own positions, read through block tables, their new K/V written into
+still there). A right-padded artifact (ModelIO.right_padded) takes the rows padded at the end instead, each row's
+mask its own length of ones, and each row's logits from its own last position. Paged cache: rows at their own positions, read through block tables, their new K/V written into
 the pool slots the scheduler assigned. Paged rows may differ in length (a speculative decode feeds each row its
 last token and its drafts): shorter rows are padded at the end — a padding token sees only its row, sits at the
 row's last real position, and its K/V is never written — and every fed position's logits come back.
@@ -95,10 +96,13 @@ class ModelRunner:
         width = max(len(ids) for ids in rows)
         input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
         mask = np.zeros((len(rows), width), dtype=np.int64)
-        for row, ids in enumerate(rows):  # left padding: every row's last prompt token sits in the last column
-            input_ids[row, width - len(ids):] = ids
-            mask[row, width - len(ids):] = 1
+        right = self.io.right_padded
+        for row, ids in enumerate(rows):  # left padding puts every row's last prompt token in the last column
+            columns = slice(0, len(ids)) if right else slice(width - len(ids), width)
+            input_ids[row, columns] = ids
+            mask[row, columns] = 1
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        lasts = [len(ids) - 1 for ids in rows] if right else [width - 1] * len(rows)  # each row's last column
         if self.io.shared_buffer:
             # room for the generation too (no buffer move mid-way), up to the room doubling would give: memory
             # stays within 2x the prompt (or its minimum capacity) whatever max_tokens says
@@ -109,11 +113,15 @@ class ModelRunner:
             cache.grow_to(capacity)
         else:
             cache = self.new_cache(len(rows))
-        logits = self._prompt_in_chunks(input_ids, positions, mask, cache, batch.prompt_logits)
+        selected = sorted(set(lasts))
+        logits = self._prompt_in_chunks(input_ids, positions, mask, cache, batch.prompt_logits, selected)
         self._rows, self._cache, self._mask = list(batch.requests), cache, mask
-        all_logits = [logits[row, width - len(ids):] for row, ids in enumerate(rows)] if batch.prompt_logits \
-            else None
-        return RunnerOutput(logits[:, -1], all_logits)
+        if batch.prompt_logits:  # every position's logits
+            all_logits = [logits[row, lasts[row] + 1 - len(ids):lasts[row] + 1] for row, ids in enumerate(rows)]
+            return RunnerOutput(logits[np.arange(len(rows)), lasts], all_logits)
+        if logits.shape[1] == len(selected):  # the selected columns, in `selected` order
+            return RunnerOutput(logits[np.arange(len(rows)), [selected.index(last) for last in lasts]])
+        return RunnerOutput(logits[np.arange(len(rows)), lasts])
 
     def _decode_contiguous(self, batch: ScheduledBatch) -> RunnerOutput:
         cache, mask = self._cache, self._mask
@@ -129,7 +137,7 @@ class ModelRunner:
                 cache.drop_leading(padding)
                 mask = mask[:, padding:]
             self._rows, self._mask = list(batch.requests), mask
-        mask = np.concatenate([mask, np.ones((len(batch.requests), 1), dtype=np.int64)], axis=1)
+        mask = _grown_by_one(mask, self.io.right_padded)
         ids = np.asarray(batch.token_ids, dtype=np.int64)
         positions = np.asarray(batch.positions, dtype=np.int64)[:, None]
         logits = self._run_contiguous(ids, positions, mask, cache, all_logits=False)
@@ -137,9 +145,10 @@ class ModelRunner:
         return RunnerOutput(logits[:, -1])
 
     def _prompt_in_chunks(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-                          cache: ContiguousKVCache, all_logits: bool) -> np.ndarray:
+                          cache: ContiguousKVCache, all_logits: bool, selected: list[int]) -> np.ndarray:
         """A one-row prompt [1, W] in calls of equal spans of at most `prefill_tokens` tokens: the logits one call
-        would give ([1, W or 1, V]). Each call's attention scores only the keys before its own tokens (ONNX
+        would give ([B, W, V] for all_logits or an artifact that computes every position, else [B, len(selected),
+        V]: the columns `selected`, ascending; a one-row prompt's is its last). Each call's attention scores only the keys before its own tokens (ONNX
         Runtime's GroupQueryAttention scores the whole [T, T] square of a call, then masks half of it) and holds
         scores for its span only: SmolLM2 fp32 prefilled 1,035 tokens in 0.86x the time in calls of 207. Several rows
         go in one call: GroupQueryAttention feeds several tokens after a past only to a batch of one."""
@@ -152,19 +161,22 @@ class ModelRunner:
             end = min(width, start + span)
             wanted = all_logits or end == width
             logits = self._run_contiguous(input_ids[:, start:end], position_ids[:, start:end],
-                                          attention_mask[:, :end], cache, all_logits, wanted)
+                                          attention_mask[:, :end], cache, all_logits, wanted,
+                                          [column - start for column in selected] if end == width else None)
             if wanted:
                 pieces.append(logits)
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)
 
     def _run_contiguous(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-                        cache: ContiguousKVCache, all_logits: bool, wanted: bool = True) -> np.ndarray:
-        """One call; the cache takes the new K/V. Logits [B, T or 1, V] (unwanted: whatever the artifact computes
-        when asked for none, possibly nothing)."""
+                        cache: ContiguousKVCache, all_logits: bool, wanted: bool = True,
+                        selected: list[int] | None = None) -> np.ndarray:
+        """One call; the cache takes the new K/V. Logits [B, T or len(selected), V] (`selected`: the columns of a
+        select-logits artifact, default the last; unwanted: whatever the artifact computes when asked for none,
+        possibly nothing)."""
         if isinstance(cache, SharedKVCache):
             cache.reserve(attention_mask.shape[1])
         feeds = StepFeeds({INPUT_IDS: input_ids, POSITION_IDS: position_ids, ATTENTION_MASK: attention_mask,
-                           **self._logits_index(input_ids.shape[1], all_logits, wanted)}, cache.feeds())
+                           **self._logits_index(input_ids.shape[1], all_logits, wanted, selected)}, cache.feeds())
         outputs = self.backend.run(feeds)
         cache.update(outputs)
         return outputs[LOGITS]
@@ -206,13 +218,28 @@ class ModelRunner:
         per_row = [logits[row, :length] for row, length in enumerate(lengths)]
         return RunnerOutput(np.stack([row[-1] for row in per_row]), per_row)
 
-    def _logits_index(self, width: int, all_logits: bool, wanted: bool = True) -> dict[str, np.ndarray]:
-        """select-logits artifacts compute only the positions asked for: all, the last, or none (logits not
-        wanted, where the backend allows an empty selection)."""
+    def _logits_index(self, width: int, all_logits: bool, wanted: bool = True,
+                      selected: list[int] | None = None) -> dict[str, np.ndarray]:
+        """select-logits artifacts compute only the positions asked for: all, `selected` (default the last), or
+        none (logits not wanted, where the backend allows an empty selection)."""
         if not self.io.selects_logits:
             return {}
         if all_logits:
             return {LOGITS_INDEX: np.arange(width, dtype=np.int64)}
         if not wanted and self._empty_selection:
             return {LOGITS_INDEX: np.zeros(0, dtype=np.int64)}
-        return {LOGITS_INDEX: np.asarray([width - 1])}
+        return {LOGITS_INDEX: np.asarray(selected if selected else [width - 1], dtype=np.int64)}
+
+
+def _grown_by_one(mask: np.ndarray, right_padded: bool) -> np.ndarray:
+    """A decode step's attention mask: every row one token longer. Left-padded rows end in the last column, so a
+    column of ones; right-padded ones each take a one after their own (a column more only where the longest needs
+    it)."""
+    rows = len(mask)
+    if not right_padded or mask[:, -1].all():  # (right-padded: every row is as long as the longest, e.g. one row)
+        return np.concatenate([mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
+    lengths = mask.sum(axis=1)
+    grown = np.zeros((rows, max(mask.shape[1], int(lengths.max()) + 1)), dtype=np.int64)
+    grown[:, :mask.shape[1]] = mask
+    grown[np.arange(rows), lengths] = 1
+    return grown

@@ -67,7 +67,7 @@ def test_a_batch_of_rows_is_prefilled_in_one_call(make_tiny_artifact):
     rows = prompts([37, 50, 13], seed=3)
     assert [r.token_ids for r in chunked.generate_ids(rows, max_new_tokens=8)] == \
         [r.token_ids for r in whole.generate_ids(rows, max_new_tokens=8)]
-    assert calls.calls[0] == ((3, 50), [49])
+    assert calls.calls[0] == ((3, 50), [12, 36, 49])  # right-padded rows: the logits of each row's last token
 
 
 def test_prompt_logprobs_come_from_every_chunk(make_tiny_artifact):

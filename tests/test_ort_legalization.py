@@ -23,9 +23,11 @@ from fxllm.compiler.targets.tensorrt_audit import audit_file
 from fxllm.errors import PipelineError
 from fxllm.runtime.backend import StepFeeds
 from fxllm.runtime.backend_ort import OrtBackend
-from fxllm.runtime.contract import ATTENTION_MASK, INPUT_IDS, KV_CAPACITY, LOGITS_INDEX, POSITION_IDS, ModelIO
+from fxllm.runtime.contract import (ATTENTION_MASK, INPUT_IDS, KV_CAPACITY_PER_ROW, LOGITS_INDEX, POSITION_IDS,
+                                    ModelIO)
 from fxllm.runtime.kv_cache import SharedKVCache
 from fxllm.runtime.model_runner import ModelRunner
+from fxllm.runtime.request import SamplingParams
 from tests.conftest import PROMPTS
 
 QUANTIZED = "cleanup,gqa,fuse-projections,select-logits,quantize:{options},kv-cache"
@@ -110,8 +112,11 @@ def test_group_query_attention_and_skip_norm_form(float_lowerings, float_program
     assert list(tables[table].dims) == [2 * float_program.spec.max_positions, float_program.spec.head_dim // 2]
     io = ModelIO.from_signature(lowered.inputs, lowered.outputs)
     assert io.shared_buffer and io.aliases["present_key_0"] == "past_key_0"
+    # full attention everywhere: each row's tokens from buffer row 0, right-padded rows, no attention bias
+    assert io.right_padded and all(len(node.input) < 11 or node.input[10] == ""
+                                   for node in graph.node if node.op_type == "GroupQueryAttention")
     graph_inputs = {i.name: i for i in onnx.load(str(path), load_external_data=False).graph.input}
-    assert graph_inputs["past_key_0"].type.tensor_type.shape.dim[2].dim_param == KV_CAPACITY
+    assert graph_inputs["past_key_0"].type.tensor_type.shape.dim[2].dim_param == KV_CAPACITY_PER_ROW
     standard_path, standard = float_lowerings["standard"]
     assert not ModelIO.from_signature(standard.inputs, standard.outputs).shared_buffer
     assert all(node.domain in ("", "ai.onnx") for node in onnx.load(str(standard_path)).graph.node)
@@ -236,15 +241,48 @@ def test_unchanged_kv_buffers_are_not_rebound_and_two_caches_can_take_turns(floa
     assert got == want
 
 
-def test_engine_batches_left_padded_rows_on_the_shared_buffer(make_tiny_model, tmp_path):
-    """The whole runtime: batched prompts of different lengths (left padding, rows leaving the batch) on the
-    legalized artifact give the standard form's tokens."""
+def test_engine_batches_right_padded_rows_on_the_shared_buffer(make_tiny_model, tmp_path):
+    """The whole runtime: batched prompts of different lengths (right padding on the legalized artifact, left on
+    the standard one; rows leaving the batch) give the standard form's tokens, and prompt logprobs read each row's
+    own positions."""
     model = make_tiny_model("llama")
-    outputs = {}
+    outputs, logprobs = {}, {}
     for name, steps in (("standard", ()), ("legalized", None)):
         fxllm.compile(model, tmp_path / name, ort_steps=steps)
         engine = fxllm.load(tmp_path / name)
+        assert engine.io.right_padded == (name == "legalized")
         outputs[name] = [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=16)]
+        core, tokens, logprobs[name] = engine.core, {}, {}
+        for i, (prompt, most) in enumerate(zip(PROMPTS, [3, 16, 9, 12])):  # one batch, rows leaving it in turn
+            core.add_request(str(i), engine.encode(prompt), SamplingParams(max_tokens=most, prompt_logprobs=1))
+        while core.has_unfinished():
+            for output in core.step():
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+                if output.prompt_logprobs:
+                    logprobs[name][output.request_id] = [e.logprob for e in output.prompt_logprobs[1:]]
+        outputs[name].append(tokens)
+    assert len(logprobs["standard"]) == len(PROMPTS) and outputs["legalized"] == outputs["standard"]
+    for i in logprobs["standard"]:
+        assert np.allclose(logprobs["legalized"][i], logprobs["standard"][i], atol=1e-4)
+
+
+def test_a_sliding_window_keeps_left_padding_and_the_bias(tokenizer, tmp_path):
+    """A window lives in the attention mask, which GroupQueryAttention's per-row lengths cannot say: a sliding-window
+    model keeps left-padded rows and the bias, and batches them right."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from tests.conftest import TINY_COMMON
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MistralConfig(**TINY_COMMON, sliding_window=6)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    outputs = {}
+    for name, steps in (("standard", ()), ("legalized", None)):
+        fxllm.compile(tmp_path / "hf", tmp_path / name, ort_steps=steps)
+        engine = fxllm.load(tmp_path / name)
+        outputs[name] = [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=12)]
+    assert engine.io.shared_buffer and not engine.io.right_padded
     assert outputs["legalized"] == outputs["standard"]
 
 

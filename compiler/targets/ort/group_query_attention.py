@@ -4,16 +4,22 @@ preallocated KV buffer that the step updates in place (the contiguous cache's ca
 before: q/k/v [B,S,H·D] → Reshape → Transpose → (RotaryEmbedding) → [B,H,S,D];
         present_k = Concat(past_k, k); out = Attention(q, present_k, present_v, mask) → Transpose → Reshape
 after:  q/k/v stay [B,S,H·D] (RotaryEmbedding on the 3D form); out, present_k, present_v =
-        GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total_len, attention_bias)
+        GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total_len[, attention_bias])
 
-The cache inputs become buffers of a capacity the runtime chooses (dim `capacity`, runtime/contract.py
-KV_CAPACITY): rows [0, total − S) hold the past, the step writes its S new rows at [total − S, total) and returns
-the same buffer as present_* (the runtime binds both to one array, so nothing is copied; without that binding ONNX
-Runtime would copy the buffer). total = attention_mask's length; seqlens_k = total − 1 for every row (rows are
-left-padded to one length); attention_bias = 0 where the kv-cache mask is true and the float32 minimum elsewhere,
-so padding stays hidden and every query still sees itself (exactly the standard form's mask: GroupQueryAttention's
-own causal rule, bottom-right aligned, agrees with it). The rotary embedding stays outside here, on the 3D q and
-k; the next step, attention-rotary, moves it into the op where the tables allow.
+The cache inputs become buffers of a capacity the runtime chooses and the step updates in place, returning the
+same buffer as present_* (the runtime binds both to one array, so nothing is copied; without that binding ONNX
+Runtime would copy the buffer); total = attention_mask's length. Two conventions (runtime/contract.py):
+- rows from buffer row 0 (dim `capacity_per_row`, KV_CAPACITY_PER_ROW), where no layer slides: the runtime
+  right-pads, row b's mask is 1 on its first n_b columns, seqlens_k = n_b − 1 (the mask's row sums), and
+  GroupQueryAttention's own per-row lengths and causal rule are the whole mask: no attention bias (which cost a
+  SmolLM2 int4 decode step 3-10% at batch 1, where it is all zeros);
+- left-padded rows (dim `capacity`, KV_CAPACITY), where a layer slides (its window lives in the mask): rows
+  [0, total − S) hold the past, the step writes its S new rows at [total − S, total), seqlens_k = total − 1 for
+  every row and attention_bias = 0 where the layer's mask is true and the float32 minimum elsewhere, so padding
+  and the window stay hidden and every query still sees itself (exactly the standard form's mask:
+  GroupQueryAttention's own causal rule, bottom-right aligned, agrees with it).
+The rotary embedding stays outside here, on the 3D q and k; the next step, attention-rotary, moves it into the op
+where the tables allow.
 
 All or nothing: when one attention does not match the pattern the graph keeps the standard form, so an artifact
 has one calling convention.
@@ -28,8 +34,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fxllm.compiler.targets.ort.graph import MS_DOMAIN, Builder, copy_shape, producer, static_dims, take_place
-from fxllm.runtime.contract import (ATTENTION_MASK, CONTIGUOUS, KV_CAPACITY, TensorSig, cache_input, cache_output,
-                                    parse_cache_name)
+from fxllm.runtime.contract import (ATTENTION_MASK, CONTIGUOUS, KV_CAPACITY, KV_CAPACITY_PER_ROW, TensorSig,
+                                    cache_input, cache_output, parse_cache_name)
 
 NAME = "group-query-attention"
 LOWEST = float(np.finfo(np.float32).min)
@@ -57,12 +63,21 @@ def apply(model: ir.Model, context) -> int:
         return 0
     build = Builder(graph, f"lowering:ort/{NAME}")
     first = next(iter(graph))
-    seqlens, total = _lengths(build, inputs[ATTENTION_MASK], before=first)
-    biases: dict[int, ir.Value] = {}
+    per_row = rows_from_start(context.spec, sites)
+    seqlens, total = _lengths(build, inputs[ATTENTION_MASK], before=first, per_row=per_row)
+    biases: dict[int, ir.Value] | None = None if per_row else {}
     for site in sites:
         _rewrite(build, site, seqlens, total, biases)
-    _update_signature(graph, context, sites)
+    _update_signature(graph, context, sites, KV_CAPACITY_PER_ROW if per_row else KV_CAPACITY)
     return len(sites)
+
+
+def rows_from_start(spec, sites: list[Site]) -> bool:
+    """Whether the buffers keep each row's tokens from row 0 (right-padded rows, no attention bias): where the one
+    mask every attention reads says only "causal, and not the padding" — no layer slides (a window lives in the
+    mask), which GroupQueryAttention's per-row lengths say by themselves. The bias cost a SmolLM2 int4 decode step
+    3-10% (batch 1, where it is all zeros)."""
+    return not any(spec.sliding_windows) and len({id(site.attention.inputs[3]) for site in sites}) == 1
 
 
 def kernel_takes_head_dim(head_dim: int) -> bool:
@@ -104,14 +119,23 @@ def _match(attention: ir.Node, inputs: dict[str, ir.Value]) -> Site | None:
     return Site(attention, q, concats, roles[0], q_heads, kv_heads, head_dim)
 
 
-def _lengths(build: Builder, attention_mask: ir.Value, before: ir.Node) -> tuple[ir.Value, ir.Value]:
-    """seqlens_k [B] int32 (total − 1 in every row) and total_sequence_length (int32 scalar) from the mask."""
+def _lengths(build: Builder, attention_mask: ir.Value, before: ir.Node,
+             per_row: bool) -> tuple[ir.Value, ir.Value]:
+    """seqlens_k [B] int32 (each row's length − 1: the row's ones in the mask when rows start at buffer row 0, else
+    total − 1 in every row) and total_sequence_length (int32 scalar: the mask's length)."""
     total = build.node("Shape", [attention_mask], {"start": 1, "end": 2}, before=before).outputs[0]
     total32 = build.node("Cast", [total], {"to": ir.DataType.INT32}, before=before).outputs[0]
     one = build.initializer("gqa_one_int32", np.asarray([1], dtype=np.int32))
-    last = build.node("Sub", [total32, one], before=before).outputs[0]
-    batch = build.node("Shape", [attention_mask], {"start": 0, "end": 1}, before=before).outputs[0]
-    seqlens = build.node("Expand", [last, batch], before=before, name="gqa_seqlens_k").outputs[0]
+    if per_row:
+        axis = build.initializer("gqa_mask_axis", np.asarray([1], dtype=np.int64))
+        lengths = build.node("ReduceSum", [attention_mask, axis], {"keepdims": 0}, before=before,
+                             name="gqa_row_lengths").outputs[0]
+        lengths32 = build.node("Cast", [lengths], {"to": ir.DataType.INT32}, before=before).outputs[0]
+        seqlens = build.node("Sub", [lengths32, one], before=before, name="gqa_seqlens_k").outputs[0]
+    else:
+        last = build.node("Sub", [total32, one], before=before).outputs[0]
+        batch = build.node("Shape", [attention_mask], {"start": 0, "end": 1}, before=before).outputs[0]
+        seqlens = build.node("Expand", [last, batch], before=before, name="gqa_seqlens_k").outputs[0]
     scalar = build.node("Squeeze", [total32], before=before, name="gqa_total_sequence_length").outputs[0]
     seqlens.name, scalar.name = "gqa_seqlens_k", "gqa_total_sequence_length"
     seqlens.dtype, scalar.dtype = ir.DataType.INT32, ir.DataType.INT32
@@ -131,20 +155,23 @@ def _bias(build: Builder, mask: ir.Value, before: ir.Node, biases: dict[int, ir.
     return biases[id(mask)]
 
 
-def _rewrite(build: Builder, site: Site, seqlens: ir.Value, total: ir.Value, biases: dict[int, ir.Value]) -> None:
+def _rewrite(build: Builder, site: Site, seqlens: ir.Value, total: ir.Value,
+             biases: dict[int, ir.Value] | None) -> None:
+    """One layer's GroupQueryAttention; `biases` None: no attention bias (rows from buffer row 0)."""
     attention = site.attention
     key_concat, value_concat = site.keys
     q = as_bsd(build, site.q, site.q_heads, site.head_dim, attention)
     k = as_bsd(build, key_concat.inputs[1], site.kv_heads, site.head_dim, attention)
     v = as_bsd(build, value_concat.inputs[1], site.kv_heads, site.head_dim, attention)
-    bias = _bias(build, attention.inputs[3], attention, biases)
+    bias = None if biases is None else _bias(build, attention.inputs[3], attention, biases)
     attributes = {"num_heads": site.q_heads, "kv_num_heads": site.kv_heads,
                   "scale": attention.attributes.get_float("scale", 1 / math.sqrt(site.head_dim))}
     softcap = attention.attributes.get_float("softcap", 0.0)
     if softcap:
         attributes["softcap"] = softcap
+    optional = [None, None, None, bias] if bias is not None else []
     gqa = build.node("GroupQueryAttention",
-                     [q, k, v, key_concat.inputs[0], value_concat.inputs[0], seqlens, total, None, None, None, bias],
+                     [q, k, v, key_concat.inputs[0], value_concat.inputs[0], seqlens, total, *optional],
                      attributes, before=attention, domain=MS_DOMAIN, outputs=3, name=f"gqa_{site.layer}")
     out, present_key, present_value = gqa.outputs
     out.name, out.dtype = f"gqa_{site.layer}_output", ir.DataType.FLOAT
@@ -228,20 +255,21 @@ def flat_consumer(value: ir.Value) -> list[ir.Node] | None:
     return [transpose, after[0][0]] if reshaped.shape is not None and len(reshaped.shape) == 3 else None
 
 
-def _update_signature(graph: ir.Graph, context, sites: list[Site]) -> None:
-    """Cache inputs and outputs become [batch, kv_heads, capacity, head_dim] buffers (graph and signature)."""
+def _update_signature(graph: ir.Graph, context, sites: list[Site], capacity: str) -> None:
+    """Cache inputs and outputs become [batch, kv_heads, capacity, head_dim] buffers (graph and signature), dim 2
+    named `capacity` (KV_CAPACITY or KV_CAPACITY_PER_ROW: runtime/contract.py)."""
     names = {cache_input(CONTIGUOUS, kind, site.layer) for site in sites for kind in ("key", "value")}
     names |= {cache_output(CONTIGUOUS, kind, site.layer) for site in sites for kind in ("key", "value")}
     for value in list(graph.inputs) + list(graph.outputs):
         if value.name in names and value.shape is not None:
             dims = list(value.shape.dims)
-            dims[2] = KV_CAPACITY
+            dims[2] = capacity
             value.shape = ir.Shape(dims)
 
     def buffer(sig: TensorSig) -> TensorSig:
         if sig.name not in names:
             return sig
-        return TensorSig(sig.name, (sig.dims[0], sig.dims[1], KV_CAPACITY, sig.dims[3]), sig.dtype)
+        return TensorSig(sig.name, (sig.dims[0], sig.dims[1], capacity, sig.dims[3]), sig.dtype)
 
     context.inputs = [buffer(sig) for sig in context.inputs]
     context.outputs = [buffer(sig) for sig in context.outputs]
