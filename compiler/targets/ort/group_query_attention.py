@@ -11,8 +11,8 @@ same buffer as present_* (the runtime binds both to one array, so nothing is cop
 Runtime would copy the buffer); total = attention_mask's length. Two conventions (runtime/contract.py):
 - rows from buffer row 0 (dim `capacity_per_row`, KV_CAPACITY_PER_ROW), where no layer slides: the runtime
   right-pads, row b's mask is 1 on its first n_b columns, seqlens_k = n_b − 1 (the mask's row sums), and
-  GroupQueryAttention's own per-row lengths and causal rule are the whole mask: no attention bias (which cost a
-  SmolLM2 int4 decode step 3-10% at batch 1, where it is all zeros);
+  GroupQueryAttention's own per-row lengths and causal rule are the whole mask: no attention bias (all zeros at
+  batch 1; SmolLM2 int4's calls ran 0.96-0.99x without it, docs/targets.md);
 - left-padded rows (dim `capacity`, KV_CAPACITY), where a layer slides (its window lives in the mask): rows
   [0, total − S) hold the past, the step writes its S new rows at [total − S, total), seqlens_k = total − 1 for
   every row and attention_bias = 0 where the layer's mask is true and the float32 minimum elsewhere, so padding
@@ -75,8 +75,7 @@ def apply(model: ir.Model, context) -> int:
 def rows_from_start(spec, sites: list[Site]) -> bool:
     """Whether the buffers keep each row's tokens from row 0 (right-padded rows, no attention bias): where the one
     mask every attention reads says only "causal, and not the padding" — no layer slides (a window lives in the
-    mask), which GroupQueryAttention's per-row lengths say by themselves. The bias cost a SmolLM2 int4 decode step
-    3-10% (batch 1, where it is all zeros)."""
+    mask), which GroupQueryAttention's per-row lengths say by themselves."""
     return not any(spec.sliding_windows) and len({id(site.attention.inputs[3]) for site in sites}) == 1
 
 
