@@ -8,10 +8,11 @@ Contiguous cache, one batch at a time: a prefill left-pads the rows' prompts (`a
 spans of at most `prefill_tokens` tokens; None: one call); each decode feeds every remaining row's last
 token after dropping the cache rows of requests that left (and any leading columns that are padding in every row
 still there). A right-padded artifact (ModelIO.right_padded) takes the rows padded at the end instead, each row's
-mask its own length of ones, and each row's logits from its own last position. Paged cache: rows at their own positions, read through block tables, their new K/V written into
-the pool slots the scheduler assigned. Paged rows may differ in length (a speculative decode feeds each row its
-last token and its drafts): shorter rows are padded at the end — a padding token sees only its row, sits at the
-row's last real position, and its K/V is never written — and every fed position's logits come back.
+mask its own length of ones, and each row's logits from its own last position. Paged cache: rows at their own
+positions, read through block tables, their new K/V written into the pool slots the scheduler assigned. Paged
+rows may differ in length (a speculative decode feeds each row its last token and its drafts): shorter rows are
+padded at the end — a padding token sees only its row, sits at the row's last real position, and its K/V is never
+written — and every fed position's logits come back.
 
 A prefill call whose logits nobody reads (a chunk before the last, unless prompt logits are wanted) selects no
 position of a select-logits artifact where the backend allows an empty selection (`allows_empty_selection`), so
@@ -97,7 +98,7 @@ class ModelRunner:
         input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
         mask = np.zeros((len(rows), width), dtype=np.int64)
         right = self.io.right_padded
-        for row, ids in enumerate(rows):  # left padding puts every row's last prompt token in the last column
+        for row, ids in enumerate(rows):  # left-padded: every row's last prompt token in the last column
             columns = slice(0, len(ids)) if right else slice(width - len(ids), width)
             input_ids[row, columns] = ids
             mask[row, columns] = 1
@@ -148,10 +149,11 @@ class ModelRunner:
                           cache: ContiguousKVCache, all_logits: bool, selected: list[int]) -> np.ndarray:
         """A one-row prompt [1, W] in calls of equal spans of at most `prefill_tokens` tokens: the logits one call
         would give ([B, W, V] for all_logits or an artifact that computes every position, else [B, len(selected),
-        V]: the columns `selected`, ascending; a one-row prompt's is its last). Each call's attention scores only the keys before its own tokens (ONNX
-        Runtime's GroupQueryAttention scores the whole [T, T] square of a call, then masks half of it) and holds
-        scores for its span only: SmolLM2 fp32 prefilled 1,035 tokens in 0.86x the time in calls of 207. Several rows
-        go in one call: GroupQueryAttention feeds several tokens after a past only to a batch of one."""
+        V]: the columns `selected`, ascending; a one-row prompt's is its last). Each call's attention scores only the
+        keys before its own tokens (ONNX Runtime's GroupQueryAttention scores the whole [T, T] square of a call, then
+        masks half of it) and holds scores for its span only: SmolLM2 fp32 prefilled 1,035 tokens in 0.86x the time
+        in calls of 207. Several rows go in one call: GroupQueryAttention feeds several tokens after a past only to a
+        batch of one."""
         width = input_ids.shape[1]
         columns = width if self.prefill_tokens is None or len(input_ids) > 1 else self.prefill_tokens
         calls = -(-width // columns)
