@@ -14,6 +14,7 @@ import torch
 import fxllm
 from fxllm.compiler.pipeline import place_quantization
 from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source
+from fxllm.compiler.targets.ort.group_query_attention import ROW_LENGTHS
 from fxllm.errors import PipelineError
 from tests.gguf_files import tiny_hf_model, write_gguf
 
@@ -103,7 +104,7 @@ def test_gguf_blocks_are_kept_exactly(body, q4_1_file, q4_1_artifact, tmp_path):
     reshaped = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Reshape" and n.input[0] in types}
     gathered = [reshaped.get(n.input[0], n.input[0]) for n in graph.node if n.op_type == "Gather"]
     assert {types[name] for name in gathered if name in types} == {onnx.TensorProto.INT8}
-    offset_sums = [n for n in graph.node if n.op_type == "ReduceSum" and n.name != "gqa_row_lengths"]
+    offset_sums = [n for n in graph.node if n.op_type == "ReduceSum" and n.name != ROW_LENGTHS]
     assert len(offset_sums) == (LAYERS * 4 if body == "Q4_1" else 0)
 
 

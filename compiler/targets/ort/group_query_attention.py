@@ -38,6 +38,7 @@ from fxllm.runtime.contract import (ATTENTION_MASK, CONTIGUOUS, KV_CAPACITY, KV_
                                     cache_input, cache_output, parse_cache_name)
 
 NAME = "group-query-attention"
+ROW_LENGTHS = "gqa_row_lengths"  # the ReduceSum of the mask's rows (rows from buffer row 0), once per graph
 LOWEST = float(np.finfo(np.float32).min)
 
 
@@ -128,7 +129,7 @@ def _lengths(build: Builder, attention_mask: ir.Value, before: ir.Node,
     if per_row:
         axis = build.initializer("gqa_mask_axis", np.asarray([1], dtype=np.int64))
         lengths = build.node("ReduceSum", [attention_mask, axis], {"keepdims": 0}, before=before,
-                             name="gqa_row_lengths").outputs[0]
+                             name=ROW_LENGTHS).outputs[0]
         lengths32 = build.node("Cast", [lengths], {"to": ir.DataType.INT32}, before=before).outputs[0]
         seqlens = build.node("Sub", [lengths32, one], before=before, name="gqa_seqlens_k").outputs[0]
     else:
