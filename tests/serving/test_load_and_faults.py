@@ -22,6 +22,7 @@ import pytest
 
 from tests.conftest import PROMPTS
 from tests.serving.conftest import API_KEY, MODEL, ServerProcess, slow_steps_env, wait_until
+from tests.serving.raw_http import read_body, read_head
 
 STREAMS, CLOSED = 40, 10  # per round; every 4th stream is closed by its client after 3 chunks
 ROUND_PROMPTS = [(prompt + " ") * (1 + i % 3) + str(i) for i, prompt in enumerate(PROMPTS * 10)]  # 5-55 tokens
@@ -261,22 +262,11 @@ def turned_away_while_draining(process: ServerProcess) -> None:
 
 
 def read_response(sock: socket.socket) -> tuple[int, dict]:
-    """One HTTP/1.1 response with a Content-Length: (status, JSON body)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"the server closed the connection before answering: {data!r}")
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"the server closed the connection mid-answer: {head!r}")
-        body += chunk
+    """One HTTP/1.1 response with a Content-Length: (status, JSON body); the socket is closed."""
+    status, headers, rest = read_head(sock)
+    body, _ = read_body(sock, headers, rest)
     sock.close()
-    return int(head.split()[1]), json.loads(body)
+    return status, json.loads(body)
 
 
 def test_drain_timeout_bounds_the_shutdown(serve_artifact, tmp_path):
@@ -321,22 +311,11 @@ OpenAIService.card = card
 def next_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """One HTTP/1.1 response with a Content-Length from `sock`, which stays open (unlike read_response): status,
     headers (lower-case names), body; status 0 when the server closed the connection instead."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return 0, {}, data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict((name.strip().lower(), value.strip()) for name, _, value in
-                   (line.partition(":") for line in lines[1:]))
-    while len(body) < int(headers["content-length"]):
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return int(lines[0].split()[1]), headers, body
+    try:
+        status, headers, rest = read_head(sock)
+    except ConnectionError:
+        return 0, {}, b""
+    return status, headers, read_body(sock, headers, rest)[0]
 
 
 def test_a_bug_is_one_line_500_and_the_connection_keeps_serving(serve_artifact, tmp_path):
