@@ -28,6 +28,7 @@ import numpy as np
 from fxllm.runtime.backend import Backend, StepFeeds
 from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, LOGITS, LOGITS_INDEX,
                                     POSITION_IDS, ModelIO, ModelSpec, is_block_run)
+from fxllm.runtime.decode_mask import DecodeMask
 from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache, new_contiguous_cache
 from fxllm.runtime.paged_cache import HeadMajorKVPool, PagedKVPool
 from fxllm.runtime.scheduler import PREFILL, ScheduledBatch
@@ -51,7 +52,7 @@ class ModelRunner:
         self.pool = pool  # paged artifacts
         self._rows: list[object] = []  # contiguous: the requests of the running batch, in cache row order
         self._cache: ContiguousKVCache | None = None
-        self._mask: np.ndarray | None = None
+        self._mask: DecodeMask | None = None
 
     @classmethod
     def create(cls, backend: Backend, io: ModelIO, spec: ModelSpec, pad_token_id: int = 0,
@@ -116,7 +117,7 @@ class ModelRunner:
             cache = self.new_cache(len(rows))
         selected = sorted(set(lasts))
         logits = self._prompt_in_chunks(input_ids, positions, mask, cache, batch.prompt_logits, selected)
-        self._rows, self._cache, self._mask = list(batch.requests), cache, mask
+        self._rows, self._cache, self._mask = list(batch.requests), cache, DecodeMask(mask, right)
         if batch.prompt_logits:  # every position's logits
             all_logits = [logits[row, lasts[row] + 1 - len(ids):lasts[row] + 1] for row, ids in enumerate(rows)]
             return RunnerOutput(logits[np.arange(len(rows)), lasts], all_logits)
@@ -130,19 +131,17 @@ class ModelRunner:
             row_of = {id(request): row for row, request in enumerate(self._rows)}
             keep = [row_of[id(request)] for request in batch.requests]
             cache.select_rows(keep)
-            mask = mask[keep]
-            padding = int(mask.any(0).argmax())  # leading columns that are padding in every remaining row
+            mask.select_rows(keep)
+            padding = int(mask.array.any(0).argmax())  # leading columns that are padding in every remaining row
             # a shared buffer keeps them: its attention may rotate by cache row (ort attention-rotary), and
             # dropping columns would move the queries' rows but not the keys already rotated
             if padding and not isinstance(cache, SharedKVCache):
                 cache.drop_leading(padding)
-                mask = mask[:, padding:]
-            self._rows, self._mask = list(batch.requests), mask
-        mask = _grown_by_one(mask, self.io.right_padded)
+                mask.drop_leading(padding)
+            self._rows = list(batch.requests)
         ids = np.asarray(batch.token_ids, dtype=np.int64)
         positions = np.asarray(batch.positions, dtype=np.int64)[:, None]
-        logits = self._run_contiguous(ids, positions, mask, cache, all_logits=False)
-        self._mask = mask
+        logits = self._run_contiguous(ids, positions, mask.grow(), cache, all_logits=False)
         return RunnerOutput(logits[:, -1])
 
     def _prompt_in_chunks(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
@@ -231,17 +230,3 @@ class ModelRunner:
         if not wanted and self._empty_selection:
             return {LOGITS_INDEX: np.zeros(0, dtype=np.int64)}
         return {LOGITS_INDEX: np.asarray(selected if selected else [width - 1], dtype=np.int64)}
-
-
-def _grown_by_one(mask: np.ndarray, right_padded: bool) -> np.ndarray:
-    """A decode step's attention mask: every row one token longer. Left-padded rows end in the last column, so a
-    column of ones; right-padded ones each take a one after their own (a column more only where the longest needs
-    it)."""
-    rows = len(mask)
-    if not right_padded or mask[:, -1].all():  # (right-padded: every row is as long as the longest, e.g. one row)
-        return np.concatenate([mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
-    lengths = mask.sum(axis=1)
-    grown = np.zeros((rows, max(mask.shape[1], int(lengths.max()) + 1)), dtype=np.int64)
-    grown[:, :mask.shape[1]] = mask
-    grown[np.arange(rows), lengths] = 1
-    return grown
