@@ -20,13 +20,12 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from fxllm import __version__
 from fxllm.serving.errors import install_error_handlers
 from fxllm.serving.middleware import (APIKeyGuard, BodyReadTimeout, BodySizeLimit, BugGuard, HeadAsGet,
-                                      IdentityEncodingOnly)
+                                      IdentityEncodingOnly, OpenAICORS)
 from fxllm.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, Health, ModelCard, ModelList)
 
@@ -59,7 +58,7 @@ def create_app(get_service: Callable[[], object], api_key: str | None = None,
     app.add_middleware(BugGuard)  # the outermost of the guards, so that it sees what the others raise
     app.add_middleware(HeadAsGet)  # outside BugGuard, so that its 500 to a HEAD has no body either
     if allowed_origins:  # outermost: a preflight carries no API key, and every answer, errors too, needs the headers
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
+        app.add_middleware(OpenAICORS, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
                            allow_headers=["*"])
 
     def service():

@@ -54,9 +54,10 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        """The JSON response, with `headers` besides (and Retry-After on a 429 or 503)."""
+        headers = {**(headers or {}), **({"Retry-After": "1"} if self.status in (429, 503) else {})}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -1,7 +1,8 @@
 """Guards in front of the routes, as plain ASGI middleware so that they act before the body is read or parsed: the
 API key (401 for /v1/ routes without `Authorization: Bearer KEY`; compared in constant time), the body size limit
 (413 from the Content-Length header, or once the bytes received pass it), a compressed body (415), a body that does
-not arrive in time (408), HEAD answered as GET without the body, and the answer to a bug (BugGuard)."""
+not arrive in time (408), HEAD answered as GET without the body, the answer to a bug (BugGuard), and CORS whose
+refused preflight is an error body like any other (OpenAICORS)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import asyncio
 import hmac
 
 from fastapi import HTTPException
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.datastructures import Headers
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fxllm.serving.errors import APIError, internal_error, logger, shown
@@ -178,3 +182,18 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+class OpenAICORS(CORSMiddleware):
+    """Starlette's CORS middleware, whose refused preflight (an origin, method or header not allowed: Starlette's
+    plain-text "Disallowed CORS origin") is a 400 with the OpenAI error body, its CORS headers kept."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        refused = bytes(response.body).decode("utf-8", "replace")
+        headers = {name: value for name, value in response.headers.items()
+                   if name.lower() not in ("content-length", "content-type")}
+        return APIError(response.status_code, f"{refused}: the server does not allow this cross-origin request "
+                        "(--allowed-origins)").response(headers)

@@ -123,8 +123,9 @@ def test_a_body_that_never_arrives_is_408_and_frees_the_connection(edge_server):
 
 def test_cors_answers_the_allowed_origins_only(edge_server):
     """A browser's preflight from an allowed origin (no API key: browsers send none) is allowed with the headers it
-    asks for, and the answers to it, errors included, carry its origin; another origin gets no CORS header, and an app
-    made without `allowed_origins` sends none at all (as before the option)."""
+    asks for, and the answers to it, errors included, carry its origin; another origin gets no CORS header (its
+    preflight an OpenAI error body), and an app made without `allowed_origins` sends none at all (as before the
+    option)."""
     preflight = {"Origin": ORIGINS[1], "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os"}
     allowed = httpx.options(f"{edge_server.url}/chat/completions", headers=preflight, timeout=30)
@@ -138,8 +139,10 @@ def test_cors_answers_the_allowed_origins_only(edge_server):
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ORIGINS[0]
     other = httpx.get(f"{edge_server.root}/health", headers={"Origin": "http://evil.example"}, timeout=30)
     assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
-    assert httpx.options(f"{edge_server.url}/chat/completions", timeout=30,
-                         headers={**preflight, "Origin": "http://evil.example"}).status_code == 400
+    disallowed = httpx.options(f"{edge_server.url}/chat/completions", timeout=30,
+                               headers={**preflight, "Origin": "http://evil.example"})
+    assert disallowed.status_code == 400 and "access-control-allow-origin" not in disallowed.headers
+    assert disallowed.json()["error"]["message"].startswith("Disallowed CORS origin: "), disallowed.text
 
     async def default_app() -> httpx.Response:
         transport = httpx.ASGITransport(app=create_app(lambda: None))
