@@ -22,11 +22,10 @@ class DecodeMask:
 
     def __init__(self, mask: np.ndarray, right_padded: bool):
         rows, width = mask.shape
-        self.right_padded = right_padded
         self._buffer = np.zeros((rows, width + ROOM), dtype=np.int64)
         self._buffer[:, :width] = mask
         self._width = width
-        self._lengths = mask.sum(axis=1).tolist() if right_padded else None
+        self._lengths = mask.sum(axis=1).tolist() if right_padded else None  # right-padded rows' lengths
 
     @property
     def array(self) -> np.ndarray:
