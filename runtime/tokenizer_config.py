@@ -25,6 +25,7 @@ CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")  # an AddedToken's bool options
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -70,9 +71,13 @@ def added_token(value: str | dict[str, Any], special: bool | None) -> AddedToken
     if not isinstance(value, dict):
         raise ArtifactError(f"a special token in {CONFIG_FILE} is neither its text nor a token object: "
                             f"{str(value)[:60]!r}")
-    fields = {key: value[key] for key in ("single_word", "lstrip", "rstrip", "normalized", "special") if key in value}
+    fields = {key: value[key] for key in TOKEN_FLAGS if key in value}
     if not isinstance(value.get("content"), str):
         raise ArtifactError(f"a special token in {CONFIG_FILE} has no text: {value!r}")
+    for key, flag in fields.items():  # AddedToken raises a TypeError on anything but a bool
+        if not isinstance(flag, bool):
+            raise ArtifactError(f"a special token in {CONFIG_FILE} ({value['content'][:60]!r}) has {key} = {flag!r}; "
+                                "it must be true or false")
     if special:
         fields["special"] = True
     return AddedToken(value["content"], **fields)
