@@ -2,8 +2,9 @@
 
 The socket is bound first (a port in use is a one-line error before a long load), then the engine is loaded (a bad
 artifact or option is a one-line error; connections made meanwhile wait in the listen backlog), then uvicorn serves
-the app; the URL is printed on stdout once requests are accepted. SIGTERM (or Ctrl-C) at once turns the service
-off (a request still arriving on an open connection gets 503, /health says "shutting down"), stops accepting
+the app; the URL is printed on stdout once requests are accepted. A request's head (its line and headers) must
+arrive within the body timeout too, and be at most 64 KiB (connections.py). SIGTERM (or Ctrl-C) at once turns the
+service off (a request still arriving on an open connection gets 503, /health says "shutting down"), stops accepting
 connections, lets running requests finish for up to `drain_timeout` seconds, aborts what is left (their clients
 get a 503, or an error event and [DONE] in a stream), and returns 0 (Ctrl-C: the CLI's 130).
 """
@@ -76,6 +77,7 @@ def serve(options: ServeOptions, **engine_options) -> int:
     import fxllm
     from fxllm.runtime.async_engine import AsyncEngine
     from fxllm.serving.app import create_app
+    from fxllm.serving.connections import head_guarded_protocol
     from fxllm.serving.service import OpenAIService, ServingConfig
 
     options.check()
@@ -90,7 +92,9 @@ def serve(options: ServeOptions, **engine_options) -> int:
     service = OpenAIService(AsyncEngine(engine), config)
     app = create_app(lambda: service, api_key=options.api_key, body_timeout=options.body_timeout,
                      allowed_origins=options.allowed_origins)
+    # the head of a request (its line and headers) gets the body's deadline: see connections.py
     uvicorn_config = uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log, lifespan="off",
+                                    http=head_guarded_protocol(options.body_timeout),
                                     timeout_graceful_shutdown=options.drain_timeout + ABORT_GRACE)
     server = _draining_server(service, uvicorn_config, options.drain_timeout)
     # uvicorn re-raises the signal that stopped it once it has drained; with this handler in place beforehand, a

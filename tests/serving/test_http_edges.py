@@ -1,7 +1,7 @@
 """HTTP edges a load balancer, a browser or a hostile client reaches, against a real `fxllm serve`: HEAD answered as
-GET without the body, a compressed body refused with 415 naming its encoding, a body that never arrives answered 408
-within --body-timeout (the connection freed), the server serving normally after each; CORS for --allowed-origins
-only."""
+GET without the body, a compressed body refused with 415 naming its encoding, a body or a head that never arrives
+answered 408 within --body-timeout (the connection freed), a head over the size limit 431, the server serving
+normally after each; CORS for --allowed-origins only."""
 
 from __future__ import annotations
 
@@ -119,6 +119,76 @@ def test_a_body_that_never_arrives_is_408_and_frees_the_connection(edge_server):
                       timeout=60) as streamed:
         events = [line for line in streamed.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2], events[-3:]
+
+
+def refused(sock: socket.socket) -> tuple[int, dict[str, str], dict, float]:
+    """The answer to a request the server refuses before reading it (status, headers, error, seconds it took), once
+    the server has closed the connection after it."""
+    start = time.monotonic()
+    status, headers, rest = read_head(sock)
+    waited = time.monotonic() - start
+    body, rest = read_body(sock, headers, rest)
+    assert headers.get("connection") == "close" and rest == b"" and sock.recv(1) == b"", (headers, rest)
+    return status, headers, error_of(body), waited
+
+
+@pytest.mark.parametrize("trickle", [False, True])
+def test_a_head_that_never_completes_is_408_and_frees_the_connection(edge_server, trickle):
+    """A client that connects and sends nothing, or trickles a header line every BODY_TIMEOUT / 4 (slowloris), held
+    its connection forever (uvicorn bounds only the idle time after a response): enough of them exhaust the
+    server's connections. The head now gets --body-timeout too: then the OpenAI 408 and the connection is closed."""
+    with connect(edge_server) as sock:
+        start = time.monotonic()
+        if trickle:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: fxllm\r\n")
+            for i in range(3):
+                time.sleep(BODY_TIMEOUT / 4)
+                sock.sendall(b"X-Trickle-%d: 1\r\n" % i)
+        status, _, error, _ = refused(sock)
+        waited = time.monotonic() - start
+    assert status == 408 and error["code"] == "request_timeout", error
+    assert error["message"] == f"the request's headers did not arrive within {BODY_TIMEOUT:g} seconds"
+    assert BODY_TIMEOUT * 0.9 <= waited < BODY_TIMEOUT + 10, waited
+    assert httpx.get(f"{edge_server.root}/health", timeout=10).status_code == 200
+
+
+def test_a_head_over_the_limit_is_431(edge_server):
+    """Request headers of 1 MiB (any size was read into memory: 100 MB were accepted) are refused past MAX_HEAD_BYTES
+    with the OpenAI 431, which the client gets to read although it is still sending (the rest is dropped); a head
+    just under the limit is served."""
+    from fxllm.serving.connections import MAX_HEAD_BYTES
+
+    with connect(edge_server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: fxllm\r\nX-Big: ")
+        try:
+            for _ in range(16):
+                sock.sendall(b"a" * 65536)
+        except OSError:  # the server may close before all of it is sent; its answer is still there to read
+            pass
+        status, _, error, _ = refused(sock)
+    assert status == 431 and error["code"] == "request_header_too_large", error
+    assert error["message"] == (f"the request's line and headers are larger than the server's limit of "
+                                f"{MAX_HEAD_BYTES:,} bytes")
+    near = httpx.get(f"{edge_server.root}/health", headers={"X-Big": "a" * (MAX_HEAD_BYTES - 1024)}, timeout=10)
+    assert near.status_code == 200, near.text
+
+
+def test_a_keep_alive_connection_outlives_the_head_deadline(edge_server):
+    """The head deadline runs only while a head is awaited: a request generating for longer than --body-timeout,
+    then another on the same connection, are both served."""
+    payload = json.dumps(LONG).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: fxllm\r\nAuthorization: Bearer " + API_KEY.encode()
+               + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n"
+               + payload)
+    with connect(edge_server) as sock:
+        start = time.monotonic()
+        sock.sendall(request)
+        status, headers, rest = read_head(sock)
+        body, rest = read_body(sock, headers, rest)
+        assert status == 200 and time.monotonic() - start > BODY_TIMEOUT, body
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: fxllm\r\n\r\n")
+        status, headers, rest = read_head(sock, rest)
+        assert status == 200 and read_body(sock, headers, rest)[0] == b'{"status":"ok"}'
 
 
 def test_cors_answers_the_allowed_origins_only(edge_server):

@@ -1,0 +1,155 @@
+"""uvicorn's HTTP/1.1 protocol with a deadline and a size limit on each request's head (request line and headers).
+
+uvicorn bounds the idle time between requests (its keep-alive timeout) and the app bounds the body
+(middleware.BodyReadTimeout), but nothing bounds the head: a client that connects and sends nothing, or trickles a
+header line every few seconds (slowloris), held its connection forever, and with httptools a head of any size was
+read into memory (100 MB of headers were accepted). Enough such connections exhaust the server's file descriptors
+or memory. Here a head must be complete `seconds` after the connection opened or its first byte arrived (408, the
+connection closed), and hold at most `max_bytes` (431, closed); both answers are the OpenAI error body.
+
+    uvicorn.Config(app, http=head_guarded_protocol(seconds=30, max_bytes=MAX_HEAD_BYTES))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from fxllm.serving.errors import APIError
+
+MAX_HEAD_BYTES = 64 * 1024  # nginx's default allows 4 header buffers of 8 KiB; h11's own limit is 16 KiB
+LINGER_SECONDS = 2.0  # how long a refused connection stays open for the client to read the answer
+
+
+def head_guarded_protocol(seconds: float, max_bytes: int = MAX_HEAD_BYTES) -> type[asyncio.Protocol]:
+    """The protocol class uvicorn would pick itself (httptools if installed, else h11), guarded as the module says."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    base = _GuardedH11 if issubclass(AutoHTTPProtocol, H11Protocol) else _guarded_httptools()
+    return type(base.__name__, (base,), {"head_seconds": seconds, "max_head_bytes": max_bytes})
+
+
+class _HeadDeadline:
+    """The deadline, for either of uvicorn's protocols: armed when a head is awaited (the connection is new, or a
+    head's first byte came) and no deadline runs, cleared once no head is pending; `_head_pending()` says which."""
+
+    head_seconds: float
+    max_head_bytes: int
+    _head_timer: asyncio.TimerHandle | None = None
+    _refused = False  # answered 408 or 431: what else the client sends is dropped until the connection closes
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self.transport.is_closing():
+            self._clear_head_deadline()
+        elif self._head_pending():
+            self._arm_head_deadline()
+        else:
+            self._clear_head_deadline()
+
+    def connection_lost(self, exc) -> None:
+        self._clear_head_deadline()
+        super().connection_lost(exc)
+
+    def _head_pending(self) -> bool:
+        raise NotImplementedError
+
+    def _arm_head_deadline(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_seconds, self._head_too_late)
+
+    def _clear_head_deadline(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_late(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._head_pending():
+            return
+        self._refuse(APIError(408, f"the request's headers did not arrive within {self.head_seconds:g} seconds",
+                              code="request_timeout"))
+
+    def _refuse(self, error: APIError) -> None:
+        """Answer `error` and close; while an earlier (pipelined) request's response is being written, it cannot be
+        answered: the connection closes once that response is done."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+            return
+        self._refused = True
+        self.transport.write(raw_response(error))
+        # Closed at once, a socket with unread bytes (the rest of a 1 MB head) is reset, and the reset can discard
+        # the answer before the client reads it: end the answer with a FIN, drop the input, and close a bit later.
+        try:
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+        except OSError:  # the client has gone already
+            self.transport.close()
+            return
+        self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+
+def raw_response(error: APIError) -> bytes:
+    """`error` as a whole HTTP/1.1 response that closes the connection (written before any request is parsed)."""
+    body = json.dumps(error.body(), separators=(",", ":")).encode()
+    head = (f"HTTP/1.1 {error.status} {_REASONS[error.status]}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(431, f"the request's line and headers are larger than the server's limit of {max_bytes:,} "
+                         "bytes", code="request_header_too_large")
+
+
+class _GuardedH11(_HeadDeadline, H11Protocol):
+    """h11 limits the head's size itself (a 400); a head is pending while h11 waits for a request (IDLE)."""
+
+    def _head_pending(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+
+def _guarded_httptools() -> type:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class _GuardedHttpTools(_HeadDeadline, HttpToolsProtocol):
+        """A head is pending from the connection (or a message's first byte) until its headers are complete; the
+        bytes received meanwhile are counted (whole reads: a read that completes a head is not)."""
+
+        _in_head = True  # a new connection awaits its first head
+        _head_bytes = 0
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head, self._head_bytes = True, 0
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._in_head and not self._refused and not self.transport.is_closing():
+                self._head_bytes += len(data)
+                if self._head_bytes > self.max_head_bytes:
+                    self._clear_head_deadline()
+                    self._refuse(_too_large(self.max_head_bytes))
+                    if not self.transport.is_closing():  # behind a pipelined response: read no more of it
+                        self.flow.pause_reading()
+
+        def _head_pending(self) -> bool:
+            return self._in_head
+
+    return _GuardedHttpTools
