@@ -109,6 +109,13 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     tools: Optional[_FailFast[dict]] = Field(None, description="not supported")
     tool_choice: Optional[Union[str, dict]] = Field(None, description="not supported")
+    # the reference's deprecated forms of tools and tool_choice, and audio output: declared so that they are refused
+    # (sampling.check_supported) rather than ignored, which would answer free text as if they had been applied
+    functions: Optional[_FailFast[dict]] = Field(None, description="deprecated form of tools: not supported")
+    function_call: Optional[Union[str, dict]] = Field(None, description="deprecated form of tool_choice: not "
+                                                                        "supported")
+    modalities: Optional[_FailFast[str]] = Field(None, description="only ['text']")
+    audio: Optional[dict] = Field(None, description="audio output: not supported")
     response_format: Optional[dict] = Field(None, description="only {'type': 'text'}")
     chat_template_kwargs: Optional[dict] = Field(None, description="extension (vLLM's): more variables for the chat "
                                                                    "template, e.g. {'enable_thinking': false}")

@@ -26,8 +26,8 @@ VLLM_DEFAULTS = {"min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), 
 
 
 def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse (400, naming the field) the reference's fields and vLLM's extensions that fxllm does not implement,
-    unless at their defaults, and `stream_options` without `stream` (as OpenAI does)."""
+    """Refuse (400, naming the field) the reference's fields (deprecated ones too: `functions`) and vLLM's extensions
+    that fxllm does not implement, unless at their defaults, and `stream_options` without `stream` (as OpenAI does)."""
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(request, name) not in (None, 0):
             raise APIError(400, f"{name} is not supported by fxllm; leave it at 0", param=name)
@@ -47,6 +47,13 @@ def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
         return
     if request.tools or request.tool_choice not in (None, "none"):
         raise APIError(400, "tools are not supported by fxllm's server", param="tools")
+    if request.functions or request.function_call not in (None, "none"):
+        param = "functions" if request.functions else "function_call"
+        raise APIError(400, f"{param} (the deprecated form of tools) is not supported by fxllm's server", param=param)
+    if request.modalities not in (None, [], ["text"]):
+        raise APIError(400, "modalities other than ['text'] are not supported by fxllm", param="modalities")
+    if request.audio is not None:
+        raise APIError(400, "audio output is not supported by fxllm", param="audio")
     if request.response_format not in (None, {"type": "text"}):
         raise APIError(400, "response_format other than {'type': 'text'} is not supported by fxllm",
                        param="response_format")

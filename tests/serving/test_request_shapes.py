@@ -175,6 +175,30 @@ def test_a_vllm_extension_fxllm_lacks_is_refused_unless_at_its_default(loaded, f
     assert refused[2].status_code == 200, refused[2].text
 
 
+@pytest.mark.parametrize("field, value, param, says, default", [
+    ("functions", [{"name": "get_weather", "parameters": {"type": "object"}}], "functions",
+     "functions (the deprecated form of tools) is not supported by fxllm's server", []),
+    ("function_call", {"name": "get_weather"}, "function_call",
+     "function_call (the deprecated form of tools) is not supported by fxllm's server", "none"),
+    ("function_call", "auto", "function_call",
+     "function_call (the deprecated form of tools) is not supported by fxllm's server", None),
+    ("modalities", ["text", "audio"], "modalities", "modalities other than ['text'] are not supported by fxllm",
+     ["text"]),
+    ("audio", {"voice": "alloy", "format": "wav"}, "audio", "audio output is not supported by fxllm", None),
+])
+def test_a_deprecated_or_audio_field_is_refused_like_tools(loaded, field, value, param, says, default):
+    """The reference's deprecated `functions` / `function_call` (what older clients send instead of tools) and
+    audio output were ignored as unknown fields: a client asking for a function call got free text as if it had
+    been applied (while `tools` is refused). Now a 400 naming the field; its default (or null) is accepted."""
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    refused, accepted = ask(loaded, [{"method": "POST", "url": "/v1/chat/completions", "json": {**chat, field: value}},
+                                     {"method": "POST", "url": "/v1/chat/completions",
+                                      "json": {**chat, field: default}}])
+    error = error_of(refused)
+    assert (refused.status_code, error["param"], error["message"]) == (400, param, says), refused.text
+    assert accepted.status_code == 200, accepted.text
+
+
 def test_a_conversation_too_long_for_the_context_names_messages(loaded):
     """The engine refuses the rendered conversation as its `prompt`; a chat request has no such field, so the
     error's param is `messages` (what the client has to shorten)."""
