@@ -18,7 +18,8 @@ from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tok
 from fxllm.compiler.pipeline import build_pipeline, check_dtype, parse_pipeline, place_dtype, place_quantization
 from fxllm.progress import status
 from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source
-from fxllm.errors import PipelineError, UnsupportedModelError
+from fxllm.errors import ArtifactError, ModelSourceError, PipelineError, UnsupportedModelError
+from fxllm.runtime.checks import path as path_argument
 from fxllm.runtime.contract import TARGETS
 
 MODEL_FILE = "model.onnx"
@@ -75,6 +76,10 @@ def compile_model(
     from fxllm import __version__
     from fxllm.compiler.capture import capture
 
+    model = path_argument("model", model, ModelSourceError)
+    output = path_argument("output", output, ArtifactError)
+    if dump_dir is not None:
+        dump_dir = path_argument("dump_dir", dump_dir, PipelineError)
     if target not in TARGETS:
         raise PipelineError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     source = resolve_source(model)

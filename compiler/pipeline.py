@@ -66,6 +66,7 @@ def place_quantization(passes: str | list[str] | None, pass_options: dict[str, d
     (`pass_options["quantize"]`, `--pass-option quantize.KEY=VALUE`) would otherwise be overridden or ignored
     there, so they are refused: on a GGUF kept as blocks (only method=gguf is accepted), and where `quant` or
     `quant_options` set the same key. → (passes, pass options)."""
+    _check_option_tables(pass_options, quant_options)
     options = {name: dict(values) for name, values in (pass_options or {}).items()}
     quant_options = {key: value for key, value in (quant_options or {}).items() if value is not None}
     unknown = set(quant_options) - set(QUANT_OPTIONS)
@@ -97,6 +98,20 @@ def place_quantization(passes: str | list[str] | None, pass_options: dict[str, d
         if passes is None:
             passes = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + ",quantize,kv-cache"
     return passes, options
+
+
+def _check_option_tables(pass_options: Any, quant_options: Any) -> None:
+    """pass_options must map pass names to {option: value} dicts and quant_options option names to values (or be
+    None); anything else was a TypeError or AttributeError from deep in the pipeline's setup."""
+    def is_table(value: Any) -> bool:
+        return isinstance(value, dict) and all(isinstance(key, str) for key in value)
+
+    if pass_options is not None and not (is_table(pass_options) and all(map(is_table, pass_options.values()))):
+        raise PipelineError(f"pass_options must map pass names to {{option: value}} dicts, e.g. {{'gqa': "
+                            f"{{'kv_heads': 2}}}}, got {str(pass_options)[:60]}")
+    if quant_options is not None and not is_table(quant_options):
+        raise PipelineError(f"quant_options must map option names to values, e.g. {{'group_size': 64}}, got "
+                            f"{str(quant_options)[:60]}")
 
 
 def _check_kept_gguf_options(options: dict[str, Any]) -> None:

@@ -6,10 +6,12 @@ __version__ = "0.1.0"
 
 
 def load(path: str, **engine_options):
-    """Load a compiled artifact directory and return a ready-to-generate Engine."""
+    """Load a compiled artifact directory and return a ready-to-generate Engine. A `path` that is not a str or an
+    os.PathLike is an InvalidArgumentError naming it."""
+    from fxllm.runtime.checks import path as path_argument
     from fxllm.runtime.engine import Engine
 
-    return Engine.load(path, **engine_options)
+    return Engine.load(path_argument("path", path), **engine_options)
 
 
 def compile(model: str, output: str, **options):  # noqa: A001 - mirrors the CLI verb

@@ -6,7 +6,8 @@ number is expected: `max_new_tokens=True` is a mistake, not one token. `name` is
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from numbers import Integral, Real
 from typing import Any
 
@@ -68,6 +69,16 @@ def text(name: str, value: Any, *, param: str | None = None) -> str:
                                                   f"at character {exc.start} (on the command line: bytes that are not "
                                                   "UTF-8)") from None
     return value
+
+
+def path(param: str, value: Any, error: Callable[[str], Exception] | None = None) -> str:
+    """A filesystem path given as a str or an os.PathLike (pathlib.Path) → its text. Anything else (None, bytes, a
+    number) raises `error(message)`, default InvalidArgumentError(param, message): pathlib's TypeError would name
+    no argument, and str(None) would quietly be the path 'None'."""
+    if isinstance(value, str) or isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
+        return os.fspath(value)
+    message = f"{param} must be a path (a string or a pathlib.Path), got {describe(value)}"
+    raise error(message) if error is not None else InvalidArgumentError(param, message)
 
 
 def strings(param: str, value: Any) -> tuple[str, ...]:

@@ -63,12 +63,16 @@ class Manifest:
 def load_manifest(directory: str | os.PathLike, verify: bool = True) -> Manifest:
     """Read and validate DIRECTORY/manifest.json; with `verify`, also checksum every file it lists."""
     directory = Path(directory)
-    if not directory.exists():
-        raise ArtifactError(f"artifact '{directory}' does not exist")
-    if not directory.is_dir():
-        raise ArtifactError(f"artifact '{directory}' is a file, not an artifact directory")
     path = directory / MANIFEST_FILE
-    if not path.is_file():
+    try:  # a name too long, a directory without search permission: OSError from the stat itself
+        exists, is_dir, has_manifest = directory.exists(), directory.is_dir(), path.is_file()
+    except OSError as exc:
+        raise ArtifactError(f"cannot read artifact '{directory}': {exc.strerror or exc}") from None
+    if not exists:
+        raise ArtifactError(f"artifact '{directory}' does not exist")
+    if not is_dir:
+        raise ArtifactError(f"artifact '{directory}' is a file, not an artifact directory")
+    if not has_manifest:
         raise ArtifactError(f"'{directory}' is not an fxllm artifact (no {MANIFEST_FILE}); compile one with "
                             "`fxllm compile`")
     try:

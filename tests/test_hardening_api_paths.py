@@ -1,0 +1,61 @@
+"""fxllm.load and fxllm.compile given a path or an option table of the wrong kind: a typed FxllmError naming the
+argument, never pathlib's TypeError or an AttributeError from deep inside the compiler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import fxllm
+from fxllm.errors import ArtifactError, InvalidArgumentError, ModelSourceError, PipelineError
+
+NOT_PATHS = [None, 5, b"/tmp/artifact", ["/tmp/artifact"]]
+
+
+@pytest.mark.parametrize("path", NOT_PATHS)
+def test_load_of_something_that_is_not_a_path_names_the_argument(path):
+    """fxllm.load(None) was `TypeError: expected str, bytes or os.PathLike object, not NoneType`."""
+    with pytest.raises(InvalidArgumentError, match="path must be a path .*got ") as caught:
+        fxllm.load(path)
+    assert caught.value.param == "path"
+
+
+def test_load_of_a_path_the_system_cannot_look_up_is_an_artifact_error(tmp_path):
+    """A name past the file system's limit made Path.exists() raise OSError (ENAMETOOLONG) out of fxllm.load."""
+    with pytest.raises(ArtifactError, match="cannot read artifact .*: File name too long"):
+        fxllm.load(tmp_path / ("a" * 5000))
+
+
+@pytest.mark.parametrize("model", NOT_PATHS)
+def test_compile_of_a_model_that_is_not_a_path_is_a_model_source_error(model, tmp_path):
+    with pytest.raises(ModelSourceError, match="model must be a path"):
+        fxllm.compile(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("output", NOT_PATHS)
+def test_compile_to_an_output_that_is_not_a_path_is_an_artifact_error(output, make_tiny_model, tmp_path):
+    """fxllm.compile(model, None) was a TypeError; str(None) must not become an output directory named 'None'."""
+    with pytest.raises(ArtifactError, match="output must be a path"):
+        fxllm.compile(make_tiny_model("llama"), output)
+    assert not Path("None").exists()
+
+
+def test_compile_with_a_dump_dir_that_is_not_a_path_is_a_pipeline_error(make_tiny_model, tmp_path):
+    with pytest.raises(PipelineError, match="dump_dir must be a path"):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "out", dump_dir=7)
+
+
+@pytest.mark.parametrize("pass_options", [{"gqa": 5}, 5, ["gqa"], {"gqa": {1: 2}}, {3: {}}])
+def test_compile_with_a_malformed_pass_options_table_is_a_pipeline_error(pass_options, make_tiny_model, tmp_path):
+    """pass_options={"gqa": 5} was `TypeError: 'int' object is not iterable` from the pipeline's setup."""
+    with pytest.raises(PipelineError, match="pass_options must map pass names"):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "out", pass_options=pass_options)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("quant_options", [5, ["group_size"], {64: "group_size"}])
+def test_compile_with_a_malformed_quant_options_table_is_a_pipeline_error(quant_options, make_tiny_model, tmp_path):
+    with pytest.raises(PipelineError, match="quant_options must map option names"):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "out", quant="int8", quant_options=quant_options)
