@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fxllm import __version__
 from fxllm.serving.errors import install_error_handlers
 from fxllm.serving.middleware import (APIKeyGuard, BodyReadTimeout, BodySizeLimit, BugGuard, HeadAsGet,
-                                      IdentityEncodingOnly, OpenAICORS)
+                                      IdentityEncodingOnly, OpenAICORS, check_api_key)
 from fxllm.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, Health, ModelCard, ModelList)
 
@@ -47,7 +47,10 @@ def create_app(get_service: Callable[[], object], api_key: str | None = None,
                allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The app. `get_service()` is called on every request; `api_key` guards the /v1/ routes; a body must be at most
     `max_body_bytes` long (413) and arrive within `body_timeout` seconds of the request (408); browsers on
-    `allowed_origins` (`*`: any) may call it (CORS; none by default)."""
+    `allowed_origins` (`*`: any) may call it (CORS; none by default). An api_key no client can send (surrounding
+    whitespace) is a one-line FxllmError."""
+    if api_key is not None:
+        check_api_key(api_key)
     app = FastAPI(title="fxllm", version=__version__, description="OpenAI-compatible API of an fxllm artifact")
     install_error_handlers(app)
     app.add_middleware(BodyReadTimeout, seconds=body_timeout)

@@ -15,9 +15,24 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fxllm.errors import FxllmError
 from fxllm.serving.errors import APIError, internal_error, logger, shown
 
 PROTECTED_PREFIX = "/v1/"
+
+
+def check_api_key(api_key: str) -> None:
+    """FxllmError (one line, without the key) for a key no client can send: HTTP strips a header value's surrounding
+    whitespace and forbids control characters, so a key read with its file's newline (`$FXLLM_API_KEY` from a
+    secret) had the server refuse every request as a "wrong API key"."""
+    if api_key != api_key.strip():
+        flaw = "starts or ends with whitespace (a newline read from a file?)"
+    elif any(ord(c) < 0x20 or ord(c) == 0x7f for c in api_key):
+        flaw = "holds a control character"
+    else:
+        return
+    raise FxllmError(f"the API key (--api-key or $FXLLM_API_KEY) {flaw}, which no HTTP header can carry: every "
+                     "request would be refused as a wrong key")
 
 
 class APIKeyGuard:

@@ -46,6 +46,10 @@ class ServeOptions:
         check_drain_timeout(self.drain_timeout)
         if not (self.body_timeout > 0 and math.isfinite(self.body_timeout)):
             raise FxllmError(f"--body-timeout must be a number of seconds > 0, got {self.body_timeout}")
+        if self.api_key is not None:
+            from fxllm.serving.middleware import check_api_key
+
+            check_api_key(self.api_key)
 
 
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+", re.IGNORECASE)
