@@ -76,10 +76,10 @@ def compile_model(
     from fxllm import __version__
     from fxllm.compiler.capture import capture
 
-    model = path_argument("model", model, ModelSourceError)
-    output = path_argument("output", output, ArtifactError)
+    model = path_argument("model", model, ModelSourceError, utf8=False)  # a GGUF reads from any path
+    output = path_argument("output", output, ArtifactError)  # onnx.checker, ONNX Runtime: UTF-8 paths only
     if dump_dir is not None:
-        dump_dir = path_argument("dump_dir", dump_dir, PipelineError)
+        dump_dir = path_argument("dump_dir", dump_dir, PipelineError, utf8=False)  # written by Python alone
     if target not in TARGETS:
         raise PipelineError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     source = resolve_source(model)

@@ -71,13 +71,24 @@ def text(name: str, value: Any, *, param: str | None = None) -> str:
     return value
 
 
-def path(param: str, value: Any, error: Callable[[str], Exception] | None = None) -> str:
-    """A filesystem path given as a str or an os.PathLike (pathlib.Path) → its text. Anything else (None, bytes, a
-    number) raises `error(message)`, default InvalidArgumentError(param, message): pathlib's TypeError would name
-    no argument, and str(None) would quietly be the path 'None'."""
+def path(param: str, value: Any, error: Callable[[str], Exception] | None = None, *, utf8: bool = True) -> str:
+    """A filesystem path given as a str or an os.PathLike (pathlib.Path) → its text. Anything else raises
+    `error(message)`, default InvalidArgumentError(param, message): None, bytes or a number (pathlib's TypeError
+    would name no argument, and str(None) would quietly be the path 'None'); and, unless `utf8` is False (a path
+    only Python opens), a name with bytes that are not UTF-8 (Python holds them as lone surrogates), which onnx and
+    ONNX Runtime cannot open: they failed with a binding's TypeError, a compile's after all its work."""
     if isinstance(value, str) or isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
-        return os.fspath(value)
-    message = f"{param} must be a path (a string or a pathlib.Path), got {describe(value)}"
+        text_ = os.fspath(value)
+        try:
+            if utf8:
+                text_.encode("utf-8")
+            return text_
+        except UnicodeEncodeError as exc:
+            raw = os.fsencode(text_[exc.start])
+            message = (f"{param} {short(text_)} is not valid UTF-8 (byte 0x{raw.hex()} at character {exc.start}); "
+                       "onnx and ONNX Runtime cannot open such a path; use a name that is valid UTF-8")
+    else:
+        message = f"{param} must be a path (a string or a pathlib.Path), got {describe(value)}"
     raise error(message) if error is not None else InvalidArgumentError(param, message)
 
 

@@ -3,6 +3,8 @@ argument, never pathlib's TypeError or an AttributeError from deep inside the co
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,30 @@ def test_compile_with_a_malformed_pass_options_table_is_a_pipeline_error(pass_op
 def test_compile_with_a_malformed_quant_options_table_is_a_pipeline_error(quant_options, make_tiny_model, tmp_path):
     with pytest.raises(PipelineError, match="quant_options must map option names"):
         fxllm.compile(make_tiny_model("llama"), tmp_path / "out", quant="int8", quant_options=quant_options)
+
+
+NOT_UTF8 = os.fsdecode(b"artifact-\xff")  # a name the file system allows, which Python holds as a lone surrogate
+
+
+def test_compile_to_an_output_whose_name_is_not_utf8_fails_before_any_work(make_tiny_model, tmp_path):
+    """onnx.checker and ONNX Runtime take only UTF-8 paths: `fxllm compile MODEL -o $'\\xff'` loaded, captured and
+    lowered the model, then exited 2 ("internal error: TypeError: check_model_path(): incompatible function
+    arguments"). Now it is refused first, and nothing is written."""
+    with pytest.raises(ArtifactError, match=r"output .* is not valid UTF-8 \(byte 0xff at character \d+\)"):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / NOT_UTF8)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_of_an_artifact_whose_name_is_not_utf8_says_so(make_tiny_artifact, tmp_path):
+    """Loading one was ONNX Runtime's pybind11 signature dump ("__init__(): incompatible constructor arguments")."""
+    copy = tmp_path / NOT_UTF8
+    shutil.copytree(make_tiny_artifact("llama"), copy)
+    with pytest.raises(InvalidArgumentError, match="path .* is not valid UTF-8 .*use a name that is valid UTF-8"):
+        fxllm.load(copy)
+
+
+def test_a_dump_dir_whose_name_is_not_utf8_is_still_written(make_tiny_model, tmp_path):
+    """Only the paths onnx and ONNX Runtime open must be UTF-8: dumps are written by Python, which takes any name."""
+    dumps = tmp_path / NOT_UTF8
+    fxllm.compile(make_tiny_model("llama"), tmp_path / "out", dump_dir=dumps)
+    assert (dumps / "summary.txt").is_file() and (tmp_path / "out" / "manifest.json").is_file()
