@@ -1,8 +1,16 @@
 """Server-sent events as the OpenAI API streams them: one `data: {json}` event per chunk, a `data: {"error": ...}`
-event if the generation fails midway (the status line has been sent by then), and `data: [DONE]` last."""
+event if the generation fails midway (the status line has been sent by then), and `data: [DONE]` last.
+
+A client that stops reading a stream without closing it (or vanishes without a FIN) is dropped once one chunk could
+not be written for STALLED_SEND_SECONDS: the server stops writing to a connection whose buffers are full, and the
+stream's undelivered outputs (n choices × max_tokens, with their logprobs) stayed in memory for as long as the
+connection stayed open, i.e. forever; a few such requests could exhaust the server's memory. A client reading slower
+than the tokens come is not dropped: only a write that makes no progress for that long is.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -15,6 +23,7 @@ from fxllm.serving.errors import APIError, internal_error
 logger = logging.getLogger("fxllm.serving")
 
 DONE = "data: [DONE]\n\n"
+STALLED_SEND_SECONDS = 60.0  # how long one chunk may wait for the client to read before the stream is dropped
 
 
 def event(data: dict) -> str:
@@ -36,10 +45,42 @@ class EventStream(StreamingResponse):
         self.run = run
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        seconds = STALLED_SEND_SECONDS
+
+        async def timed_send(message) -> None:
+            try:
+                await _within(seconds, send(message))
+            except asyncio.TimeoutError:
+                raise ClientStalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except Exception as exc:
+            if not _stalled(exc):
+                raise
+            # returning with the response incomplete has uvicorn close the connection (and log one line)
+            logger.warning("dropped a stream whose client read nothing for %g seconds", seconds)
         finally:
             self.run.close()
+
+
+class ClientStalled(Exception):
+    """A chunk could not be written for STALLED_SEND_SECONDS."""
+
+
+def _stalled(exc: BaseException) -> bool:
+    """ClientStalled, alone or as the only kind of exception in a group (Starlette's task group may wrap it)."""
+    inner = getattr(exc, "exceptions", None)
+    return isinstance(exc, ClientStalled) or (inner is not None and all(_stalled(e) for e in inner))
+
+
+async def _within(seconds: float, awaitable) -> None:
+    """`await awaitable`, or asyncio.TimeoutError after `seconds` (asyncio.timeout where there is one: no task)."""
+    if hasattr(asyncio, "timeout"):  # Python 3.11+
+        async with asyncio.timeout(seconds):
+            await awaitable
+    else:
+        await asyncio.wait_for(awaitable, seconds)
 
 
 async def respond(writer, run, stream: bool):

@@ -1,0 +1,80 @@
+"""A client that starts a stream and then reads nothing, without closing the connection, is dropped once a chunk
+could not be written for STALLED_SEND_SECONDS (its generation aborted, the connection closed); before, the stream's
+outputs waited in the server's memory for as long as the connection stayed open. The app runs on a real uvicorn in
+this process, on a socket with small buffers (accepted sockets inherit them), so that a few KiB fill them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+import fxllm
+from fxllm.runtime.async_engine import AsyncEngine
+from fxllm.serving import streaming
+from fxllm.serving.app import create_app
+from fxllm.serving.service import OpenAIService, ServingConfig
+from tests.serving.conftest import wait_until
+
+NAME = "tiny"
+STALL_SECONDS = 1.0
+# 8 choices × 200 tokens with 20 logprobs each: megabytes of chunks, far more than the buffers hold
+STREAM = {"model": NAME, "prompt": "Hi", "max_tokens": 200, "n": 8, "logprobs": 20, "ignore_eos": True,
+          "stream": True}
+
+
+@pytest.fixture
+def served(serve_artifact, monkeypatch):
+    """(base URL, service) of the app on uvicorn in a thread, with STALLED_SEND_SECONDS = STALL_SECONDS."""
+    monkeypatch.setattr(streaming, "STALLED_SEND_SECONDS", STALL_SECONDS, raising=False)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    engine = fxllm.load(serve_artifact, threads=1)
+    state: dict = {}
+
+    async def main() -> None:
+        state["service"] = service = OpenAIService(AsyncEngine(engine), ServingConfig((NAME,)))
+        state["server"] = server = uvicorn.Server(uvicorn.Config(create_app(lambda: service), lifespan="off",
+                                                                 log_level="critical"))
+        try:
+            await server.serve(sockets=[listener])
+        finally:
+            await service.engine.shutdown(drain_timeout=0)
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    assert wait_until(lambda: "server" in state and state["server"].started, timeout=60)
+    host, port = listener.getsockname()
+    yield f"http://{host}:{port}", state["service"]
+    state["server"].should_exit = True
+    thread.join(30)
+    listener.close()
+
+
+def test_a_client_that_stops_reading_a_stream_is_dropped(served):
+    root, service = served
+    body = json.dumps(STREAM).encode()
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(socket.getaddrinfo(*root.removeprefix("http://").rsplit(":", 1), type=socket.SOCK_STREAM)[0][4])
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fxllm\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        # reads nothing: the server's writes stall, and after STALL_SECONDS the stream is dropped
+        assert wait_until(lambda: service.admitted == 0, timeout=60), service.admitted
+        time.sleep(STALL_SECONDS + 1)
+        client.settimeout(30)
+        received = b""
+        while chunk := client.recv(1 << 20):  # what the buffers held, then the server's close
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200"), received[:100]
+    assert b"data: [DONE]" not in received, "the stream was written to the end: the client was not dropped"
+    assert httpx.post(f"{root}/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2},
+                      timeout=30).status_code == 200
