@@ -18,8 +18,11 @@ def verify_files(manifest: Manifest) -> None:
     """Every listed file exists, is a regular file inside the artifact, and has its recorded size and sha256."""
     for name, entry in manifest.files.items():
         file = confine(manifest.directory, name, "files")
-        if not file.is_file():
+        if not file.exists():
             raise ArtifactError(f"artifact file '{name}' is missing from '{manifest.directory}'")
+        if not file.is_file():  # a directory, FIFO or device where the manifest names a file: never read it
+            raise ArtifactError(f"artifact file '{name}' in '{manifest.directory}' is not a regular file; recompile "
+                                "the artifact")
         if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
             raise ArtifactError(f"artifact file '{name}' is corrupt (checksum mismatch); recompile the artifact")
 
