@@ -62,7 +62,11 @@ class ModelSource:
     gguf_file: str | None = None
 
     def from_pretrained_kwargs(self) -> dict[str, Any]:
-        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+        """transformers' from_pretrained arguments for this source. trust_remote_code=False: a directory whose
+        config or tokenizer_config names its own Python classes (`auto_map`) is refused at once. Left unset,
+        transformers asks "Do you wish to run the custom code? [y/N]" on a terminal (waiting 15 s) and runs the
+        directory's code on "y": compiling a model must never execute code that came with it."""
+        return {"trust_remote_code": False, **({"gguf_file": self.gguf_file} if self.gguf_file else {})}
 
 
 def default_model_path() -> Path:
@@ -335,7 +339,7 @@ def check_supported(source: ModelSource) -> None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(source.directory)
+        config = AutoConfig.from_pretrained(source.directory, trust_remote_code=False)
     except Exception as exc:
         raise ModelSourceError(f"cannot read the model config in '{source.directory}': {exc}") from exc
     check_capabilities(config, architecture)
