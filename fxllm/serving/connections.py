@@ -7,6 +7,12 @@ read into memory (100 MB of headers were accepted). Enough such connections exha
 or memory. Here a head must be complete `seconds` after the connection opened or its first byte arrived (408, the
 connection closed), and hold at most `max_bytes` (431, closed); both answers are the OpenAI error body.
 
+Writes are bounded too: a connection whose client reads nothing while the server has more than the transport's
+high-water mark to send (its buffers full) for `stall_seconds` is aborted. A non-streamed response is written into
+the transport at once, so a client that never read a large one (n choices with logprobs) held it in the server's
+memory for as long as it kept the connection open. (Streams are also dropped by streaming.EventStream, which aborts
+their generation, and which the Ray Serve ingress has too.)
+
     uvicorn.Config(app, http=head_guarded_protocol(seconds=30, max_bytes=MAX_HEAD_BYTES))
 """
 
@@ -24,12 +30,18 @@ MAX_HEAD_BYTES = 64 * 1024  # nginx's default allows 4 header buffers of 8 KiB; 
 LINGER_SECONDS = 2.0  # how long a refused connection stays open for the client to read the answer
 
 
-def head_guarded_protocol(seconds: float, max_bytes: int = MAX_HEAD_BYTES) -> type[asyncio.Protocol]:
-    """The protocol class uvicorn would pick itself (httptools if installed, else h11), guarded as the module says."""
+def head_guarded_protocol(seconds: float, max_bytes: int = MAX_HEAD_BYTES,
+                          stall_seconds: float | None = None) -> type[asyncio.Protocol]:
+    """The protocol class uvicorn would pick itself (httptools if installed, else h11), guarded as the module says
+    (`stall_seconds`: streaming.STALLED_SEND_SECONDS unless given)."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+    from fxllm.serving.streaming import STALLED_SEND_SECONDS
+
     base = _GuardedH11 if issubclass(AutoHTTPProtocol, H11Protocol) else _guarded_httptools()
-    return type(base.__name__, (base,), {"head_seconds": seconds, "max_head_bytes": max_bytes})
+    stall = STALLED_SEND_SECONDS if stall_seconds is None else stall_seconds
+    return type(base.__name__, (base,), {"head_seconds": seconds, "max_head_bytes": max_bytes,
+                                         "stall_seconds": stall})
 
 
 class _HeadDeadline:
@@ -38,7 +50,9 @@ class _HeadDeadline:
 
     head_seconds: float
     max_head_bytes: int
+    stall_seconds: float
     _head_timer: asyncio.TimerHandle | None = None
+    _stall_timer: asyncio.TimerHandle | None = None
     _refused = False  # answered 408 or 431: what else the client sends is dropped until the connection closes
 
     def connection_made(self, transport) -> None:
@@ -58,7 +72,27 @@ class _HeadDeadline:
 
     def connection_lost(self, exc) -> None:
         self._clear_head_deadline()
+        self._clear_stall_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.stall_seconds, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._clear_stall_timer()
+        super().resume_writing()
+
+    def _clear_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        """The client read nothing for stall_seconds while the buffers were full: drop what is left unsent."""
+        self._stall_timer = None
+        self.transport.abort()
 
     def _head_pending(self) -> bool:
         raise NotImplementedError

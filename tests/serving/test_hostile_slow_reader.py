@@ -1,7 +1,8 @@
 """A client that starts a stream and then reads nothing, without closing the connection, is dropped once a chunk
-could not be written for STALLED_SEND_SECONDS (its generation aborted, the connection closed); before, the stream's
-outputs waited in the server's memory for as long as the connection stayed open. The app runs on a real uvicorn in
-this process, on a socket with small buffers (accepted sockets inherit them), so that a few KiB fill them."""
+could not be written for STALLED_SEND_SECONDS (its generation aborted, the connection closed); so is a client that
+reads nothing of a large non-streamed response (`fxllm serve`'s protocol, connections.py). Before, what they had not
+read stayed in the server's memory for as long as the connection stayed open. The app runs on a real uvicorn in this
+process, on a socket with small buffers (accepted sockets inherit them), so that a few KiB fill them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import fxllm
 from fxllm.runtime.async_engine import AsyncEngine
 from fxllm.serving import streaming
 from fxllm.serving.app import create_app
+from fxllm.serving.connections import head_guarded_protocol
 from fxllm.serving.service import OpenAIService, ServingConfig
 from tests.serving.conftest import wait_until
 
@@ -30,8 +32,10 @@ STREAM = {"model": NAME, "prompt": "Hi", "max_tokens": 200, "n": 8, "logprobs": 
 
 
 @pytest.fixture
-def served(serve_artifact, monkeypatch):
-    """(base URL, service) of the app on uvicorn in a thread, with STALLED_SEND_SECONDS = STALL_SECONDS."""
+def served(serve_artifact, monkeypatch, request):
+    """(base URL, service) of the app on uvicorn in a thread, with STALLED_SEND_SECONDS = STALL_SECONDS; on
+    uvicorn's own protocol, or (parametrized "guarded") on `fxllm serve`'s, whose writes stall after STALL_SECONDS."""
+    guarded = getattr(request, "param", None) == "guarded"
     monkeypatch.setattr(streaming, "STALLED_SEND_SECONDS", STALL_SECONDS, raising=False)
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -42,8 +46,9 @@ def served(serve_artifact, monkeypatch):
 
     async def main() -> None:
         state["service"] = service = OpenAIService(AsyncEngine(engine), ServingConfig((NAME,)))
+        protocol = head_guarded_protocol(30, stall_seconds=STALL_SECONDS) if guarded else "auto"
         state["server"] = server = uvicorn.Server(uvicorn.Config(create_app(lambda: service), lifespan="off",
-                                                                 log_level="critical"))
+                                                                 log_level="critical", http=protocol))
         try:
             await server.serve(sockets=[listener])
         finally:
@@ -59,22 +64,55 @@ def served(serve_artifact, monkeypatch):
     listener.close()
 
 
+def post_without_reading(root: str, request: dict) -> socket.socket:
+    """A connection with a small receive buffer that has sent `request` to /v1/completions and reads nothing yet."""
+    body = json.dumps(request).encode()
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    host, port = root.removeprefix("http://").rsplit(":", 1)
+    client.connect((host, int(port)))
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fxllm\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return client
+
+
+def read_to_the_end(client: socket.socket) -> bytes:
+    """What the buffers held, then the server's close (a reset, when it dropped unsent bytes)."""
+    client.settimeout(30)
+    received = b""
+    try:
+        while chunk := client.recv(1 << 20):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
+
+
 def test_a_client_that_stops_reading_a_stream_is_dropped(served):
     root, service = served
-    body = json.dumps(STREAM).encode()
-    with socket.socket() as client:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.connect(socket.getaddrinfo(*root.removeprefix("http://").rsplit(":", 1), type=socket.SOCK_STREAM)[0][4])
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fxllm\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    with post_without_reading(root, STREAM) as client:
         # reads nothing: the server's writes stall, and after STALL_SECONDS the stream is dropped
         assert wait_until(lambda: service.admitted == 0, timeout=60), service.admitted
         time.sleep(STALL_SECONDS + 1)
-        client.settimeout(30)
-        received = b""
-        while chunk := client.recv(1 << 20):  # what the buffers held, then the server's close
-            received += chunk
+        received = read_to_the_end(client)
     assert received.startswith(b"HTTP/1.1 200"), received[:100]
     assert b"data: [DONE]" not in received, "the stream was written to the end: the client was not dropped"
+    assert httpx.post(f"{root}/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2},
+                      timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("served", ["guarded"], indirect=True)
+def test_a_client_that_reads_nothing_of_a_large_response_is_dropped(served):
+    root, service = served
+    with post_without_reading(root, {**STREAM, "stream": False}) as client:
+        client.settimeout(60)
+        client.recv(1, socket.MSG_PEEK)  # the response has begun (peeking frees no room in the buffers)
+        time.sleep(STALL_SECONDS + 1)
+        received = read_to_the_end(client)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    assert len(body) < length, "the whole response was kept for the client: it was not dropped"
     assert httpx.post(f"{root}/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2},
                       timeout=30).status_code == 200
