@@ -31,6 +31,7 @@ class _FailFast:
 
 class StreamOptions(_Request):
     include_usage: Optional[bool] = False  # a last chunk with `usage` (and no choices) before [DONE]
+    continuous_usage_stats: Optional[bool] = Field(False, description="vLLM extension, not supported: false")
 
 
 class _VllmExtensions(_Request):

@@ -39,6 +39,10 @@ def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "logit_bias is not supported by fxllm", param="logit_bias")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+        # chunks would carry `usage: null` where the client expects counts
+        raise APIError(400, "stream_options.continuous_usage_stats (a vLLM extension) is not supported by fxllm",
+                       param="stream_options.continuous_usage_stats")
     if isinstance(request, CompletionRequest):
         if request.suffix:
             raise APIError(400, "suffix is not supported by fxllm", param="suffix")

@@ -199,6 +199,23 @@ def test_a_deprecated_or_audio_field_is_refused_like_tools(loaded, field, value,
     assert accepted.status_code == 200, accepted.text
 
 
+@pytest.mark.parametrize("route, body", [("/v1/completions", OK),
+                                         ("/v1/chat/completions", {"model": NAME, "max_tokens": 2,
+                                                                   "messages": [{"role": "user", "content": "x"}]})])
+def test_continuous_usage_stats_is_refused_unless_false(loaded, route, body):
+    """vLLM's stream_options.continuous_usage_stats (usage in every chunk) was ignored: each chunk then carried
+    `usage: null` where the client expects counts. Now a 400 naming it, as vLLM's other extensions; false is fine."""
+    streamed = {**body, "stream": True}
+    refused, accepted = ask(loaded, [
+        {"method": "POST", "url": route,
+         "json": {**streamed, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}},
+        {"method": "POST", "url": route, "json": {**streamed, "stream_options": {"continuous_usage_stats": False}}}])
+    error = error_of(refused)
+    assert (refused.status_code, error["param"]) == (400, "stream_options.continuous_usage_stats"), refused.text
+    assert error["message"] == "stream_options.continuous_usage_stats (a vLLM extension) is not supported by fxllm"
+    assert accepted.status_code == 200 and accepted.text.endswith("data: [DONE]\n\n"), accepted.text
+
+
 def test_a_conversation_too_long_for_the_context_names_messages(loaded):
     """The engine refuses the rendered conversation as its `prompt`; a chat request has no such field, so the
     error's param is `messages` (what the client has to shorten)."""
