@@ -80,6 +80,7 @@ def compile_model(
     output = path_argument("output", output, ArtifactError)  # onnx.checker, ONNX Runtime: UTF-8 paths only
     if dump_dir is not None:
         dump_dir = path_argument("dump_dir", dump_dir, PipelineError, utf8=False)  # written by Python alone
+    _check_plain_options(passes, keep_layers, requantize, int8_activations)
     if target not in TARGETS:
         raise PipelineError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     source = resolve_source(model)
@@ -116,6 +117,9 @@ def compile_model(
             if draft_source is not None:
                 check_same_tokenizer(tokenizer, load_tokenizer(draft_source), draft_spec.model)
         if keep_layers is not None:
+            if keep_layers > torch_model.config.num_hidden_layers:  # else a capture error about attention nodes
+                raise PipelineError(f"keep_layers={keep_layers} keeps more layers than the model's "
+                                    f"{torch_model.config.num_hidden_layers}")
             truncate_layers(torch_model, keep_layers)
         captured = timed("capture", "capturing with torch.export", capture, torch_model)
         captured.program.tokenizer = tokenizer
@@ -183,6 +187,22 @@ def _check_ort_steps(ort_steps, target: str) -> None:
     if unknown:
         raise PipelineError(f"unknown ort legalization step(s) {', '.join(unknown)} (available: "
                             f"{', '.join(STEP_NAMES)})")
+
+
+def _check_plain_options(passes: Any, keep_layers: Any, requantize: Any, int8_activations: Any) -> None:
+    """compile_model's arguments that nothing else checks before the work: refused by type, as PipelineError. A
+    flag that is not a bool was written into the manifest as it came (int8_activations=None made an artifact that
+    no load accepts), and passes=5 or keep_layers='1' failed as TypeErrors, the latter after the capture."""
+    if passes is not None and not isinstance(passes, (str, list, tuple)):
+        raise PipelineError(f"passes must be a comma-separated string or a list of pass names, got "
+                            f"{type(passes).__name__} {str(passes)[:60]}")
+    for name, value in (("requantize", requantize), ("int8_activations", int8_activations)):
+        if not isinstance(value, bool):
+            raise PipelineError(f"{name} must be True or False, got {type(value).__name__} {str(value)[:60]}")
+    if keep_layers is not None and (isinstance(keep_layers, bool) or not isinstance(keep_layers, int)
+                                    or keep_layers < 1):
+        raise PipelineError(f"keep_layers must be a layer count >= 1, got {type(keep_layers).__name__} "
+                            f"{str(keep_layers)[:60]}")
 
 
 def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> None:

@@ -88,3 +88,21 @@ def test_a_dump_dir_whose_name_is_not_utf8_is_still_written(make_tiny_model, tmp
     dumps = tmp_path / NOT_UTF8
     fxllm.compile(make_tiny_model("llama"), tmp_path / "out", dump_dir=dumps)
     assert (dumps / "summary.txt").is_file() and (tmp_path / "out" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"int8_activations": None}, "int8_activations must be True or False, got NoneType None"),
+    ({"int8_activations": 0}, "int8_activations must be True or False"),
+    ({"requantize": "yes"}, "requantize must be True or False"),
+    ({"passes": 5}, "passes must be a comma-separated string or a list of pass names"),
+    ({"keep_layers": "1"}, "keep_layers must be a layer count >= 1"),
+    ({"keep_layers": 0}, "keep_layers must be a layer count >= 1"),
+    ({"keep_layers": 3}, "keep_layers=3 keeps more layers than the model's 2"),
+])
+def test_compile_options_of_the_wrong_type_are_refused(make_tiny_model, tmp_path, options, message):
+    """fxllm.compile(..., int8_activations=None) wrote "int8_activations": null into the manifest: the compile
+    succeeded and every load of the artifact failed ("must be true or false; recompile the artifact"). passes=5 and
+    keep_layers="1" were TypeErrors, keep_layers past the model's layers a capture error about attention nodes."""
+    with pytest.raises(PipelineError, match=message):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
