@@ -5,7 +5,8 @@ uvicorn bounds the idle time between requests (its keep-alive timeout) and the a
 header line every few seconds (slowloris), held its connection forever, and with httptools a head of any size was
 read into memory (100 MB of headers were accepted). Enough such connections exhaust the server's file descriptors
 or memory. Here a head must be complete `seconds` after the connection opened or its first byte arrived (408, the
-connection closed), and hold at most `max_bytes` (431, closed); both answers are the OpenAI error body.
+connection closed), and hold at most `max_bytes` (431, closed); both answers are the OpenAI error body, as is the
+400 for bytes that are not HTTP/1.1 (uvicorn's own is plain text).
 
 Writes are bounded too: a connection whose client reads nothing while the server has more than the transport's
 high-water mark to send (its buffers full) for `stall_seconds` is aborted. A non-streamed response is written into
@@ -97,6 +98,13 @@ class _HeadDeadline:
     def _head_pending(self) -> bool:
         raise NotImplementedError
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes its parser refuses, in plain text: the OpenAI error instead."""
+        self._clear_head_deadline()
+        self._refuse(APIError(400, "the request is not valid HTTP/1.1 (a malformed request line or header, or a "
+                                   "body length given twice: Content-Length with Transfer-Encoding, or two "
+                                   "Content-Lengths)"))
+
     def _arm_head_deadline(self) -> None:
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(self.head_seconds, self._head_too_late)
@@ -140,7 +148,7 @@ def raw_response(error: APIError) -> bytes:
     return head.encode("latin-1") + body
 
 
-_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 
 def _too_large(max_bytes: int) -> APIError:

@@ -173,6 +173,23 @@ def test_a_head_over_the_limit_is_431(edge_server):
     assert near.status_code == 200, near.text
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: fxllm\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: fxllm\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"GET /health HTTP/1.1\r\nHost: fxllm\r\nBad Header\r\n\r\n",
+])
+def test_bytes_that_are_not_http_are_an_openai_400(edge_server, request_bytes):
+    """uvicorn answered these (a smuggling attempt among them) with a plain-text "Invalid HTTP request received.";
+    now the OpenAI error body, the connection closed, and the server serves on."""
+    with connect(edge_server) as sock:
+        sock.sendall(request_bytes)
+        status, headers, error, _ = refused(sock)
+    assert status == 400 and headers["content-type"] == "application/json", headers
+    assert error["message"].startswith("the request is not valid HTTP/1.1"), error
+    assert httpx.get(f"{edge_server.root}/health", timeout=10).status_code == 200
+
+
 def test_a_keep_alive_connection_outlives_the_head_deadline(edge_server):
     """The head deadline runs only while a head is awaited: a request generating for longer than --body-timeout,
     then another on the same connection, are both served."""
