@@ -176,6 +176,14 @@ def build_pipeline(
 ) -> list[PipelineStep]:
     """Resolve names and options and check the order against requires/provides/forbids — before any work."""
     extra_options = extra_options or {}
+    for name, options in requested:  # an option set in the pass list and otherwise too: one value would be dropped
+        extra = extra_options.get(name, {})
+        clash = next((key for key in sorted(options.keys() & extra.keys()) if str(options[key]) != str(extra[key])),
+                     None)
+        if clash is not None:
+            raise PipelineError(f"pass '{name}' option '{clash}' is given two values: {name}:{clash}={options[clash]} "
+                                f"in the pass list and {extra[clash]} besides it (--pass-option, --kv-heads, --quant "
+                                "and its flags); give it once")
     steps = [PipelineStep(get_pass(name), _typed_options(get_pass(name), {**options, **extra_options.get(name, {})}))
              for name, options in requested]
     for name in extra_options:

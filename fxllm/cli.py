@@ -170,8 +170,15 @@ def cmd_compile(args) -> None:
         name, dot, option = key.partition(".")
         if not (eq and dot and name and option):
             raise PipelineError(f"--pass-option '{item}' is not of the form PASS.KEY=VALUE")
-        options.setdefault(name, {})[option.replace("-", "_")] = value
+        option = option.replace("-", "_")
+        if option in options.get(name, {}):  # the last would silently win
+            raise UsageError(f"--pass-option {name}.{option} is given twice ({options[name][option]} and {value}); "
+                             "give it once")
+        options.setdefault(name, {})[option] = value
     if args.kv_heads is not None:
+        if "kv_heads" in options.get("gqa", {}):
+            raise UsageError(f"--kv-heads {args.kv_heads} and --pass-option gqa.kv_heads={options['gqa']['kv_heads']} "
+                             "both set the KV heads; give one")
         options.setdefault("gqa", {})["kv_heads"] = args.kv_heads
     quant_options = {"group_size": args.group_size, "calib": args.calib, "lm_head": args.quant_lm_head,
                      "embedding": args.quant_embedding}

@@ -1,0 +1,48 @@
+"""A compile option given two values (in --passes and in --pass-option, --kv-heads or --quant; or one --pass-option
+twice) is refused before any work: the last value used to win silently, so the artifact was not the one asked for."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxllm.cli import main
+from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
+from fxllm.errors import PipelineError
+
+PASSES_WITH_KV_HEADS_1 = "cleanup,gqa:kv_heads=1,fuse-projections,select-logits,kv-cache"
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    code = main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("fxllm: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pass-option", "gqa.kv_heads=1", "--kv-heads", "2"],
+     "--kv-heads 2 and --pass-option gqa.kv_heads=1 both set the KV heads; give one"),
+    (["--pass-option", "gqa.kv_heads=2", "--pass-option", "gqa.kv-heads=1"],
+     "--pass-option gqa.kv_heads is given twice (2 and 1); give it once"),
+    (["--passes", PASSES_WITH_KV_HEADS_1, "--kv-heads", "2"],
+     "pass 'gqa' option 'kv_heads' is given two values: gqa:kv_heads=1 in the pass list and 2 besides it"),
+    (["--passes", "cleanup,gqa,fuse-projections,select-logits,quantize:method=int8,kv-cache", "--quant", "int4-rtn"],
+     "pass 'quantize' option 'method' is given two values: quantize:method=int8 in the pass list and int4-rtn"),
+])
+def test_an_option_given_two_values_is_refused(capsys, make_tiny_model, tmp_path, flags, message):
+    """Each of these compiled with the last value (2 KV heads; int4-rtn though the pass list said int8)."""
+    output = tmp_path / "out"
+    assert message in _one_line_error(capsys, ["compile", str(make_tiny_model("llama")), "-o", str(output), *flags])
+    assert not output.exists()
+
+
+def test_the_same_value_given_twice_is_not_a_conflict():
+    """Nothing is dropped when both places say the same: gqa:kv_heads=2 and pass options {"gqa": {"kv_heads": 2}}."""
+    steps = build_pipeline(parse_pipeline("cleanup,gqa:kv_heads=2,kv-cache"), {"gqa": {"kv_heads": 2}})
+    assert steps[1].options["kv_heads"] == 2
+
+
+def test_build_pipeline_refuses_two_values_for_one_option():
+    with pytest.raises(PipelineError, match="pass 'gqa' option 'kv_heads' is given two values"):
+        build_pipeline(parse_pipeline("cleanup,gqa:kv_heads=2,kv-cache"), {"gqa": {"kv_heads": 1}})
