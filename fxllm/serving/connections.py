@@ -1,4 +1,5 @@
-"""uvicorn's HTTP/1.1 protocol with a deadline and a size limit on each request's head (request line and headers).
+"""uvicorn's HTTP/1.1 protocol, guarded: a deadline and a size limit on each request's head (request line and
+headers), a limit on how long a write may stall, and the OpenAI error body for bytes that are not HTTP.
 
 uvicorn bounds the idle time between requests (its keep-alive timeout) and the app bounds the body
 (middleware.BodyReadTimeout), but nothing bounds the head: a client that connects and sends nothing, or trickles a
@@ -14,7 +15,7 @@ the transport at once, so a client that never read a large one (n choices with l
 memory for as long as it kept the connection open. (Streams are also dropped by streaming.EventStream, which aborts
 their generation, and which the Ray Serve ingress has too.)
 
-    uvicorn.Config(app, http=head_guarded_protocol(seconds=30, max_bytes=MAX_HEAD_BYTES))
+    uvicorn.Config(app, http=guarded_protocol(seconds=30, max_bytes=MAX_HEAD_BYTES))
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ MAX_HEAD_BYTES = 64 * 1024  # nginx's default allows 4 header buffers of 8 KiB; 
 LINGER_SECONDS = 2.0  # how long a refused connection stays open for the client to read the answer
 
 
-def head_guarded_protocol(seconds: float, max_bytes: int = MAX_HEAD_BYTES,
+def guarded_protocol(seconds: float, max_bytes: int = MAX_HEAD_BYTES,
                           stall_seconds: float | None = None) -> type[asyncio.Protocol]:
     """The protocol class uvicorn would pick itself (httptools if installed, else h11), guarded as the module says
     (`stall_seconds`: streaming.STALLED_SEND_SECONDS unless given)."""
@@ -45,9 +46,11 @@ def head_guarded_protocol(seconds: float, max_bytes: int = MAX_HEAD_BYTES,
                                          "stall_seconds": stall})
 
 
-class _HeadDeadline:
-    """The deadline, for either of uvicorn's protocols: armed when a head is awaited (the connection is new, or a
-    head's first byte came) and no deadline runs, cleared once no head is pending; `_head_pending()` says which."""
+class _ConnectionGuard:
+    """The guards, for either of uvicorn's protocols (they use its internals: `cycle`, `send_400_response`, the
+    parser's state; checked with uvicorn 0.55, h11 and httptools). The head's deadline is armed when a head is
+    awaited (the connection is new, or a head's first byte came) and no deadline runs, and cleared once no head is
+    pending (`_head_pending()` says which); the stall timer runs while the transport has paused writing."""
 
     head_seconds: float
     max_head_bytes: int
@@ -156,7 +159,7 @@ def _too_large(max_bytes: int) -> APIError:
                          "bytes", code="request_header_too_large")
 
 
-class _GuardedH11(_HeadDeadline, H11Protocol):
+class _GuardedH11(_ConnectionGuard, H11Protocol):
     """h11 limits the head's size itself (a 400); a head is pending while h11 waits for a request (IDLE)."""
 
     def _head_pending(self) -> bool:
@@ -166,7 +169,7 @@ class _GuardedH11(_HeadDeadline, H11Protocol):
 def _guarded_httptools() -> type:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class _GuardedHttpTools(_HeadDeadline, HttpToolsProtocol):
+    class _GuardedHttpTools(_ConnectionGuard, HttpToolsProtocol):
         """A head is pending from the connection (or a message's first byte) until its headers are complete; the
         bytes received meanwhile are counted (whole reads: a read that completes a head is not)."""
 

@@ -81,7 +81,7 @@ def serve(options: ServeOptions, **engine_options) -> int:
     import fxllm
     from fxllm.runtime.async_engine import AsyncEngine
     from fxllm.serving.app import create_app
-    from fxllm.serving.connections import head_guarded_protocol
+    from fxllm.serving.connections import guarded_protocol
     from fxllm.serving.service import OpenAIService, ServingConfig
 
     options.check()
@@ -98,7 +98,7 @@ def serve(options: ServeOptions, **engine_options) -> int:
                      allowed_origins=options.allowed_origins)
     # the head of a request (its line and headers) gets the body's deadline: see connections.py
     uvicorn_config = uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log, lifespan="off",
-                                    http=head_guarded_protocol(options.body_timeout),
+                                    http=guarded_protocol(options.body_timeout),
                                     timeout_graceful_shutdown=options.drain_timeout + ABORT_GRACE)
     server = _draining_server(service, uvicorn_config, options.drain_timeout)
     # uvicorn re-raises the signal that stopped it once it has drained; with this handler in place beforehand, a

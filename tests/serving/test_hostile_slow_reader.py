@@ -20,7 +20,7 @@ import fxllm
 from fxllm.runtime.async_engine import AsyncEngine
 from fxllm.serving import streaming
 from fxllm.serving.app import create_app
-from fxllm.serving.connections import head_guarded_protocol
+from fxllm.serving.connections import guarded_protocol
 from fxllm.serving.service import OpenAIService, ServingConfig
 from tests.serving.conftest import wait_until
 
@@ -46,7 +46,7 @@ def served(serve_artifact, monkeypatch, request):
 
     async def main() -> None:
         state["service"] = service = OpenAIService(AsyncEngine(engine), ServingConfig((NAME,)))
-        protocol = head_guarded_protocol(30, stall_seconds=STALL_SECONDS) if guarded else "auto"
+        protocol = guarded_protocol(30, stall_seconds=STALL_SECONDS) if guarded else "auto"
         state["server"] = server = uvicorn.Server(uvicorn.Config(create_app(lambda: service), lifespan="off",
                                                                  log_level="critical", http=protocol))
         try:
