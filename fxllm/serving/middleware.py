@@ -42,9 +42,11 @@ class APIKeyGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
-            given = _header(scope, b"authorization")
-            if given is None or not self._accepts(given):
-                reason = "missing" if given is None else "wrong"
+            given = [value for key, value in scope["headers"] if key == b"authorization"]
+            if len(given) != 1 or not self._accepts(given[0]):
+                # two headers are refused, whichever holds the key: a proxy in front may check the other one
+                reason = ("missing" if not given else "wrong" if len(given) == 1
+                          else "ambiguous (two Authorization headers)")
                 error = APIError(401, f"{reason} API key: send the header 'Authorization: Bearer <key>' with the "
                                       "key the server was started with", code="invalid_api_key")
                 await error.response()(scope, receive, send)

@@ -39,3 +39,21 @@ def test_serve_refuses_a_key_read_with_its_newline(serve_artifact):
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert "the API key (--api-key or $FXLLM_API_KEY) starts or ends with whitespace" in lines[0]
     assert SECRET not in proc.stderr and proc.stdout == ""
+
+
+def test_two_authorization_headers_are_refused():
+    """With the right key in one of two Authorization headers the request is a 401 (the first header used to win): a
+    proxy in front that checks the other one would disagree with the server about who is calling."""
+    import asyncio
+
+    import httpx
+
+    async def models(headers: list[tuple[str, str]]) -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(lambda: None, api_key=SECRET))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/v1/models", headers=headers)
+
+    for order in ([f"Bearer {SECRET}", "Bearer wrong"], ["Bearer wrong", f"Bearer {SECRET}"]):
+        answer = asyncio.run(models([("Authorization", value) for value in order]))
+        assert answer.status_code == 401, answer.text
+        assert answer.json()["error"]["message"].startswith("ambiguous (two Authorization headers) API key")
