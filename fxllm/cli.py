@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import traceback
+import unicodedata
 
 from fxllm.errors import FxllmError, UsageError
 
@@ -272,7 +273,7 @@ def cmd_inspect(args) -> int:
 
     info = describe_artifact(args.artifact)
     if not args.check:
-        print(json.dumps(info, indent=2) if args.json else info["text"])
+        print(json.dumps(info, indent=2) if args.json else printable(info["text"]))
         return 0
     from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
     from fxllm.compiler.targets.tensorrt_rules import parse_version
@@ -431,10 +432,17 @@ def _stdout_is_unicode() -> bool:
     return (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "").startswith("utf")
 
 
+def printable(text: str) -> str:
+    """`text` with its control characters but newline and tab written as escapes (ESC as \\x1b): what an artifact
+    or a path names (a manifest's strings, a file name) reaches the terminal as text, never as a terminal command
+    (an escape sequence can retitle the window, rewrite the screen or set the clipboard)."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text)
+
+
 def _fail(message: str, code: int, verbose: bool) -> int:
     if verbose:
         traceback.print_exc()
-    print(f"fxllm: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the message holds
+    print(f"fxllm: {printable(' '.join(message.split()))}", file=sys.stderr)  # one line, whatever the message holds
     return code
 
 
