@@ -123,10 +123,27 @@ def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
             check_output(output)  # again: the user may have put files there while we compiled
             with held_back():  # never between the two renames
                 _swap_into_place(staging, output)
-        except BaseException:
+        except BaseException as exc:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(exc, OSError) and exc.errno is None and staging is not None:
+                # a writer that lost the errno: numpy's tofile (under the ONNX export) reports a full disk as
+                # "problem writing element N to file"; the space it had taken is freed again by now
+                raise ArtifactError(f"writing the artifact to '{output.parent}' failed ({exc}); is the disk full? "
+                                    f"{_free_space(output.parent)} free there now, with the partial artifact "
+                                    "removed") from exc
             raise
+
+
+def _free_space(directory: Path) -> str:
+    """The space left to unprivileged writers on the file system holding `directory`, e.g. '12.3 MiB'."""
+    from fxllm.runtime.checks import byte_size
+
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return "unknown space"
+    return byte_size(stats.f_bavail * stats.f_frsize)
 
 
 def _create_staging(output: Path) -> Path:
