@@ -335,6 +335,9 @@ def cmd_serve(args) -> int:
             raise UsageError(f"{flag} only applies without --ray")
     from fxllm.serving.server import ServeOptions, parse_origins, serve
 
+    if args.served_model_name is not None and not args.served_model_name.strip():  # e.g. "$UNSET": else the default
+        raise UsageError("--served-model-name is empty; give the name clients send, or leave the option out to use "
+                         "the artifact directory's name")
     if args.api_key is not None and not args.api_key.strip():  # e.g. --api-key "$UNSET": serving open by mistake
         raise UsageError("--api-key is empty; give the key, or leave the option out to serve without one")
     api_key = args.api_key if args.api_key is not None else os.environ.get("FXLLM_API_KEY") or None

@@ -1,5 +1,6 @@
 """A compile option given two values (in --passes and in --pass-option, --kv-heads or --quant; or one --pass-option
-twice) is refused before any work: the last value used to win silently, so the artifact was not the one asked for."""
+twice) is refused before any work: the last value used to win silently, so the artifact was not the one asked for.
+Likewise an empty --served-model-name, which used to fall back to the default name without a word."""
 
 from __future__ import annotations
 
@@ -46,3 +47,11 @@ def test_the_same_value_given_twice_is_not_a_conflict():
 def test_build_pipeline_refuses_two_values_for_one_option():
     with pytest.raises(PipelineError, match="pass 'gqa' option 'kv_heads' is given two values"):
         build_pipeline(parse_pipeline("cleanup,gqa:kv_heads=2,kv-cache"), {"gqa": {"kv_heads": 1}})
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_served_model_name_is_refused(capsys, tmp_path, name):
+    """`fxllm serve ART --served-model-name "$UNSET"` served under the artifact directory's name instead, so clients
+    sending the name meant got 404 model not found; it is a usage error, before the artifact is loaded."""
+    message = _one_line_error(capsys, ["serve", str(tmp_path / "no-artifact"), "--served-model-name", name])
+    assert "--served-model-name is empty" in message
