@@ -109,8 +109,10 @@ def read_text(text_path: str | os.PathLike) -> str:
         raise EvaluationError("the text file path is empty")
     if path.is_dir():
         raise EvaluationError(f"'{text_path}' is a directory; --text takes a UTF-8 text file")
-    if not path.is_file():
+    if not path.exists():
         raise EvaluationError(f"text file '{text_path}' does not exist")
+    if not path.is_file():  # a FIFO, a device such as /dev/null: read, it would hang or score nothing
+        raise EvaluationError(f"'{text_path}' is not a regular file; --text takes a UTF-8 text file")
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:

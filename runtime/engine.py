@@ -24,8 +24,8 @@ from fxllm.runtime.metrics import EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import RequestOutput, SamplingParams
 from fxllm.runtime.request_validation import (GenerationRequest, check_engine_options, check_kv_pool,
-                                              check_load_flags, check_prompt, check_prompt_ids, check_prompts,
-                                              check_request)
+                                              check_load_flags, check_prompt, check_prompt_ids, check_prompt_labels,
+                                              check_prompts, check_request, check_token_ids)
 from fxllm.runtime.results import GenerationResult, collector, raise_failure
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
@@ -203,7 +203,8 @@ class Engine:
         """Like generate, from token ids (ints in [0, vocab_size)). The requests join whatever else the engine is
         running."""
         request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
-        return self._run(check_prompt_ids(prompt_ids, self.spec.vocab_size), request, prompts, "prompt_ids")
+        rows = check_prompt_ids(prompt_ids, self.spec.vocab_size)
+        return self._run(rows, request, check_prompt_labels(prompts, len(rows)), "prompt_ids")
 
     def _run(self, rows: list[list[int]], request: GenerationRequest, prompts: list[str] | None,
              batch: str | None) -> list[GenerationResult]:
@@ -280,7 +281,8 @@ class Engine:
                         top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                         stop: str | list[str] | None = None) -> SamplingParams:
         """generate()'s options for this prompt as SamplingParams (checked as generate checks them)."""
-        return self._capped(check_request(max_new_tokens, temperature, top_k, top_p, seed, stop), prompt_ids)
+        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        return self._capped(request, check_token_ids("prompt_ids", prompt_ids, self.spec.vocab_size))
 
     def _capped(self, request: GenerationRequest, prompt_ids: list[int]) -> SamplingParams:
         """The request's SamplingParams for this prompt: max_new_tokens capped at the room the prompt leaves in the

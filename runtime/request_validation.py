@@ -62,6 +62,21 @@ def check_prompts(prompts: Any) -> tuple[list[str], bool]:
     return texts, False
 
 
+def check_prompt_labels(prompts: Any, rows: int) -> list[str] | None:
+    """generate_ids()'s optional `prompts`, the text each row of prompt_ids came from (its results carry it): None,
+    or one string per row."""
+    if prompts is None:
+        return None
+    if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Iterable):
+        raise InvalidArgumentError("prompts", "prompts must be a list of strings, one per row of prompt_ids, got "
+                                   f"{describe(prompts)}")
+    labels = [text(f"prompts[{i}]", prompt, param="prompts") for i, prompt in enumerate(prompts)]
+    if len(labels) != rows:
+        raise InvalidArgumentError("prompts", f"prompts holds {len(labels)} strings for {rows} rows of prompt_ids; "
+                                   "give one per row")
+    return labels
+
+
 def check_prompt_ids(prompt_ids: Any, vocab_size: int) -> list[list[int]]:
     """generate_ids()'s prompts: a non-empty iterable of token-id sequences, each as check_token_ids."""
     if isinstance(prompt_ids, (str, bytes, Mapping)) or not isinstance(prompt_ids, Iterable):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -312,6 +313,34 @@ def test_eval_text_that_is_a_directory_or_binary(contiguous, tmp_path):
 
     with pytest.raises(FxllmError, match="--ctx must be an integer of at least 2, got 2.5"):
         evaluate(str(contiguous), binary, ctx=2.5)
+
+
+def test_eval_text_that_is_not_a_regular_file(contiguous):
+    """/dev/null exists: it is "not a regular file", not "does not exist" (a FIFO would hang a read)."""
+    assert_one_line_error(*cli("eval", str(contiguous), "--text", "/dev/null", "--ctx", "64")[::2],
+                          "'/dev/null' is not a regular file; --text takes a UTF-8 text file")
+
+
+@pytest.mark.parametrize("prompts, message", [
+    (["a"], "prompts holds 1 strings for 2 rows of prompt_ids; give one per row"),
+    ("ab", "prompts must be a list of strings, one per row of prompt_ids"),
+    ([5, 6], "prompts[0] must be a string"),
+])
+def test_generate_ids_checks_its_prompt_labels(engines, prompts, message):
+    """generate_ids' `prompts` labels the rows' results: one string a row (a short list raised IndexError, a string
+    was split into one-character labels, ints were taken as labels)."""
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)) as caught:
+        engines["contiguous"].generate_ids([[1, 2], [3, 4]], max_new_tokens=2, prompts=prompts)
+    assert caught.value.param == "prompts"
+    labelled = engines["contiguous"].generate_ids([[1, 2], [3, 4]], max_new_tokens=2, prompts=["x", "y"])
+    assert [result.prompt for result in labelled] == ["x", "y"]
+
+
+def test_sampling_params_checks_its_prompt_ids(engines):
+    with pytest.raises(InvalidArgumentError, match="prompt_ids") as caught:
+        engines["contiguous"].sampling_params("hi")
+    assert caught.value.param == "prompt_ids"
+    assert engines["contiguous"].sampling_params([1, 2, 3], max_new_tokens=5).max_tokens == 5
 
 
 # -- the properties -------------------------------------------------------------------------------------------------
