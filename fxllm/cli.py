@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)")
     p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request's body may take to arrive before the request gets 408 (default 30)")
+                   help="seconds a request's line and headers, and then its body, may take to arrive before the "
+                        "request gets 408 (default 30)")
     p.add_argument("--allowed-origins", metavar="ORIGINS",
                    help="let browsers on these comma-separated origins (or *) call the server: CORS (default: none)")
     p.add_argument("--access-log", action="store_true", help="log every request")
