@@ -89,9 +89,7 @@ class _ConnectionGuard:
         super().resume_writing()
 
     def _clear_stall_timer(self) -> None:
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        self._stall_timer = _cancelled(self._stall_timer)
 
     def _stalled(self) -> None:
         """The client read nothing for stall_seconds while the buffers were full: drop what is left unsent."""
@@ -113,9 +111,7 @@ class _ConnectionGuard:
             self._head_timer = self.loop.call_later(self.head_seconds, self._head_too_late)
 
     def _clear_head_deadline(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_timer = _cancelled(self._head_timer)
 
     def _head_too_late(self) -> None:
         self._head_timer = None
@@ -141,6 +137,12 @@ class _ConnectionGuard:
             self.transport.close()
             return
         self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+
+def _cancelled(timer: asyncio.TimerHandle | None) -> None:
+    """Cancel `timer` if it runs; None, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()
 
 
 def raw_response(error: APIError) -> bytes:
