@@ -48,6 +48,10 @@ def check_output(output: str | os.PathLike) -> Path:
         return path
     if not path.is_dir():
         raise ArtifactError(f"output '{path}' exists and is not a directory; choose another output path")
+    if path in _working_directory_and_parents():  # the new artifact is swapped in by a rename: the shell would be
+        # left in the old directory, deleted, and see nothing there
+        raise ArtifactError(f"output '{path}' is the current directory or holds it, which a compile replaces; run it "
+                            f"from outside (e.g. from '{path.parent}') or choose another output directory")
     if not any(path.iterdir()):
         return path
     manifest = _existing_manifest(path)
@@ -133,6 +137,15 @@ def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
                                     f"{_free_space(output.parent)} free there now, with the partial artifact "
                                     "removed") from exc
             raise
+
+
+def _working_directory_and_parents() -> list[Path]:
+    """This process's working directory, resolved, and every directory above it (none if it was deleted)."""
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:
+        return []
+    return [cwd, *cwd.parents]
 
 
 def _free_space(directory: Path) -> str:

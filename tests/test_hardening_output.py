@@ -127,6 +127,21 @@ def test_unreadable_manifest_means_not_an_artifact(artifact_copy, content):
         check_output(artifact_copy)
 
 
+@pytest.mark.parametrize("empty, inside", [(True, ""), (False, ""), (False, "tokenizer")])
+def test_the_working_directory_is_not_replaced(artifact_copy, tmp_path, monkeypatch, empty, inside):
+    """`-o .` (or `-o ..` from inside the artifact): the swap would leave the shell in the old, deleted directory,
+    seeing nothing; refused, nothing touched, whether the directory is an empty one or a replaceable artifact."""
+    output = tmp_path / "empty" if empty else artifact_copy
+    (output / inside).mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(output / inside)
+    before = snapshot(output)
+    with pytest.raises(ArtifactError, match="is the current directory or holds it, which a compile replaces"):
+        check_output(".." if inside else ".")
+    assert snapshot(output) == before
+    monkeypatch.chdir(tmp_path)
+    assert check_output(output) == output.resolve()
+
+
 def test_marker_is_written_and_an_owned_artifact_is_replaced(artifact_copy):
     """write_manifest marks the artifact; a marked artifact holding only its own files is replaced whole."""
     assert json.loads((artifact_copy / MANIFEST).read_text())["kind"] == ARTIFACT_KIND
