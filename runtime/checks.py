@@ -78,14 +78,14 @@ def path(param: str, value: Any, error: Callable[[str], Exception] | None = None
     only Python opens), a name with bytes that are not UTF-8 (Python holds them as lone surrogates), which onnx and
     ONNX Runtime cannot open: they failed with a binding's TypeError, a compile's after all its work."""
     if isinstance(value, str) or isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
-        text_ = os.fspath(value)
+        name = os.fspath(value)
         try:
             if utf8:
-                text_.encode("utf-8")
-            return text_
+                name.encode("utf-8")
+            return name
         except UnicodeEncodeError as exc:
-            raw = os.fsencode(text_[exc.start])
-            message = (f"{param} {short(text_)} is not valid UTF-8 (byte 0x{raw.hex()} at character {exc.start}); "
+            raw = os.fsencode(name[exc.start])
+            message = (f"{param} {short(name)} is not valid UTF-8 (byte 0x{raw.hex()} at character {exc.start}); "
                        "onnx and ONNX Runtime cannot open such a path; use a name that is valid UTF-8")
     else:
         message = f"{param} must be a path (a string or a pathlib.Path), got {describe(value)}"
