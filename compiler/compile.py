@@ -19,6 +19,7 @@ from fxllm.compiler.pipeline import build_pipeline, check_dtype, parse_pipeline,
 from fxllm.progress import status
 from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source
 from fxllm.errors import ArtifactError, ModelSourceError, PipelineError, UnsupportedModelError
+from fxllm.runtime.checks import describe
 from fxllm.runtime.checks import path as path_argument
 from fxllm.runtime.contract import TARGETS
 
@@ -194,15 +195,13 @@ def _check_plain_options(passes: Any, keep_layers: Any, requantize: Any, int8_ac
     flag that is not a bool was written into the manifest as it came (int8_activations=None made an artifact that
     no load accepts), and passes=5 or keep_layers='1' failed as TypeErrors, the latter after the capture."""
     if passes is not None and not isinstance(passes, (str, list, tuple)):
-        raise PipelineError(f"passes must be a comma-separated string or a list of pass names, got "
-                            f"{type(passes).__name__} {str(passes)[:60]}")
+        raise PipelineError(f"passes must be a comma-separated string or a list of pass names, got {describe(passes)}")
     for name, value in (("requantize", requantize), ("int8_activations", int8_activations)):
         if not isinstance(value, bool):
-            raise PipelineError(f"{name} must be True or False, got {type(value).__name__} {str(value)[:60]}")
+            raise PipelineError(f"{name} must be True or False, got {describe(value)}")
     if keep_layers is not None and (isinstance(keep_layers, bool) or not isinstance(keep_layers, int)
                                     or keep_layers < 1):
-        raise PipelineError(f"keep_layers must be a layer count >= 1, got {type(keep_layers).__name__} "
-                            f"{str(keep_layers)[:60]}")
+        raise PipelineError(f"keep_layers must be a layer count >= 1, got {describe(keep_layers)}")
 
 
 def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> None:

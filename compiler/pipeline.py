@@ -7,6 +7,7 @@ from typing import Any
 
 from fxllm.compiler.pass_registry import PassInfo, get_pass
 from fxllm.errors import PipelineError
+from fxllm.runtime.checks import short
 
 DEFAULT_PIPELINE = ("cleanup", "gqa", "fuse-projections", "select-logits", "kv-cache")
 CAPTURE_FACTS = frozenset({"captured", "fxllm-attention"})
@@ -108,10 +109,10 @@ def _check_option_tables(pass_options: Any, quant_options: Any) -> None:
 
     if pass_options is not None and not (is_table(pass_options) and all(map(is_table, pass_options.values()))):
         raise PipelineError(f"pass_options must map pass names to {{option: value}} dicts, e.g. {{'gqa': "
-                            f"{{'kv_heads': 2}}}}, got {str(pass_options)[:60]}")
+                            f"{{'kv_heads': 2}}}}, got {short(pass_options)}")
     if quant_options is not None and not is_table(quant_options):
         raise PipelineError(f"quant_options must map option names to values, e.g. {{'group_size': 64}}, got "
-                            f"{str(quant_options)[:60]}")
+                            f"{short(quant_options)}")
 
 
 def _check_kept_gguf_options(options: dict[str, Any]) -> None:

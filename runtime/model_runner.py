@@ -99,7 +99,7 @@ class ModelRunner:
         input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
         mask = np.zeros((len(rows), width), dtype=np.int64)
         right = self.io.right_padded
-        for row, ids in enumerate(rows):  # left-padded: every row's last prompt token in the last column
+        for row, ids in enumerate(rows):  # right-padded: from column 0; left-padded: ending in the last column
             columns = slice(0, len(ids)) if right else slice(width - len(ids), width)
             input_ids[row, columns] = ids
             mask[row, columns] = 1

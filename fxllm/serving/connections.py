@@ -33,7 +33,7 @@ LINGER_SECONDS = 2.0  # how long a refused connection stays open for the client 
 
 
 def guarded_protocol(seconds: float, max_bytes: int = MAX_HEAD_BYTES,
-                          stall_seconds: float | None = None) -> type[asyncio.Protocol]:
+                     stall_seconds: float | None = None) -> type[asyncio.Protocol]:
     """The protocol class uvicorn would pick itself (httptools if installed, else h11), guarded as the module says
     (`stall_seconds`: streaming.STALLED_SEND_SECONDS unless given)."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
