@@ -347,6 +347,15 @@ def test_asymmetric_int4_lowers_exactly(target, group, make_tiny_model, tmp_path
     assert offsets == (2 * 4 if target == "tensorrt" else 0)  # one offset term per projection
     if target == "tensorrt":
         assert audit_file(path) == []
+        # the block sums' padding and reshape take constants, not the input's runtime shape (Shape → Concat)
+        producers = {out: node for node in model.graph.node for out in node.output}
+        constants = {init.name for init in model.graph.initializer}
+        constants |= {out for node in model.graph.node if node.op_type == "Constant" for out in node.output}
+        for node in model.graph.node:
+            if node.op_type == "ReduceSum" and node.name != ROW_LENGTHS:
+                reshape = producers[node.input[0]]
+                assert reshape.op_type == "Reshape" and reshape.input[1] in constants
+        assert any(node.op_type == "Pad" for node in model.graph.node)  # group 128 over 64-wide inputs: ragged
 
 
 def test_tensorrt_form_of_asymmetric_int4_matches_the_ort_form(make_tiny_model, calibration_file, tmp_path):

@@ -111,12 +111,20 @@ def dequant_linear(x, qweight, scales, offsets, bias, block_size: int):
 
 def block_sums(x, block_size: int, in_features: int):
     """[..., K] → [..., ceil(K / block_size)]: x summed over each block of the last dim; a ragged last block is
-    padded with zeros first."""
+    padded with zeros first. With x's rank known (the exporter's usual case) the padding and the block reshape take
+    constant operands (Pad, Reshape to [0, .., 0, -1, block]): the dynamic form's Shape → Concat per projection are
+    two more nodes that ONNX Runtime runs every step (a GGUF Q4_1 artifact has 120 such sums; see docs/targets.md)."""
     pad = -in_features % block_size
-    if pad:
-        zeros = op.ConstantOfShape(op.Concat(op.Shape(x, start=0, end=-1), op.Constant(value_ints=[pad]), axis=0))
-        x = op.Concat(x, zeros, axis=-1)
-    shape = op.Concat(op.Shape(x, start=0, end=-1), op.Constant(value_ints=[-1, block_size]), axis=0)
+    rank = len(x.shape) if getattr(x, "shape", None) is not None else None
+    if rank:
+        if pad:
+            x = op.Pad(x, op.Constant(value_ints=[0] * (2 * rank - 1) + [pad]))
+        shape = op.Constant(value_ints=[0] * (rank - 1) + [-1, block_size])
+    else:
+        if pad:
+            zeros = op.ConstantOfShape(op.Concat(op.Shape(x, start=0, end=-1), op.Constant(value_ints=[pad]), axis=0))
+            x = op.Concat(x, zeros, axis=-1)
+        shape = op.Concat(op.Shape(x, start=0, end=-1), op.Constant(value_ints=[-1, block_size]), axis=0)
     return op.ReduceSum(op.Reshape(x, shape), op.Constant(value_ints=[-1]), keepdims=0)
 
 
