@@ -213,7 +213,7 @@ class Engine:
         results = [GenerationResult(prompts[i] if prompts else None, ids) for i, ids in enumerate(rows)]
         request_ids = [_new_request_id() for _ in rows]
         done = []
-        params = [self._capped(request, ids) for ids in rows]
+        params = [self._capped(request, ids, output_kind="final") for ids in rows]  # collected whole: one output
         try:
             self.driver.submit(list(zip(request_ids, rows, params)),
                                [collector(result, request.max_new_tokens, self.max_context, done)
@@ -284,13 +284,14 @@ class Engine:
         request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
         return self._capped(request, check_token_ids("prompt_ids", prompt_ids, self.spec.vocab_size))
 
-    def _capped(self, request: GenerationRequest, prompt_ids: list[int]) -> SamplingParams:
+    def _capped(self, request: GenerationRequest, prompt_ids: list[int], output_kind: str = "delta") -> SamplingParams:
         """The request's SamplingParams for this prompt: max_new_tokens capped at the room the prompt leaves in the
         context (generate() then reports finish_reason "context"; a prompt without room is refused by the core)."""
         room = max(self.max_context - len(prompt_ids), 1)
-        if request.max_new_tokens <= room:
-            return request.sampling
-        return replace(request.sampling, max_tokens=room)
+        changes = {"output_kind": output_kind} if output_kind != request.sampling.output_kind else {}
+        if request.max_new_tokens > room:
+            changes["max_tokens"] = room
+        return replace(request.sampling, **changes) if changes else request.sampling
 
 
 def _speculative_plan(manifest: Manifest, speculative: bool | str) -> SpeculativePlan | None:

@@ -8,11 +8,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from fxllm.runtime.checks import flag, integer, integers, real, strings
-from fxllm.runtime.detokenizer import IncrementalDetokenizer
+from fxllm.errors import InvalidArgumentError
+from fxllm.runtime.checks import describe, flag, integer, integers, real, strings
+from fxllm.runtime.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from fxllm.runtime.metrics import RequestMetrics
 
 MAX_LOGPROBS = 20  # most alternatives per position (the OpenAI API's top_logprobs limit)
+OUTPUT_KINDS = ("delta", "final")
 
 # Temperatures in (0, MIN_TEMPERATURE) sample greedily (argmax). As the temperature falls the distribution
 # concentrates on the argmax; at 1e-5 a logit gap of 1e-3 is already a probability ratio of e^100, so below it
@@ -34,7 +36,10 @@ class SamplingParams:
     the last output token, its text is not shown); ignore_eos: do not stop at the model's EOS ids.
     logprobs: None, or N >= 0: every generated token's logprob plus the N most likely alternatives;
     prompt_logprobs: the same for every prompt token (the first has none), in the first output.
-    Logprobs are log-softmax of the model's logits, before temperature/top-k/top-p."""
+    Logprobs are log-softmax of the model's logits, before temperature/top-k/top-p.
+    output_kind: "delta" (an output every step, with that step's tokens, text and logprobs: streaming) or "final"
+    (one output when the request finishes, with all of them: vLLM's FINAL_ONLY; no per-step outputs, and without
+    stop strings the text is decoded once at the end). A request that fails gets its error, not its tokens."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -46,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    output_kind: str = "delta"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -61,6 +67,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 set_(self, name, integer(name, getattr(self, name), minimum=0, maximum=MAX_LOGPROBS))
+        if not isinstance(self.output_kind, str) or self.output_kind not in OUTPUT_KINDS:
+            raise InvalidArgumentError("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
+                                                      f"{describe(self.output_kind)}")
 
     @property
     def greedy(self) -> bool:
@@ -124,7 +133,10 @@ class Request:
         self.seq_id = seq_id  # the block manager's key
         self.num_computed_tokens = 0
         self.sampler = Sampler(params, 1)  # this request's own seeded stream
-        self.detokenizer = IncrementalDetokenizer(tokenizer, list(params.stop))
+        self.final_only = params.output_kind == "final"
+        self.detokenizer = (FinalDetokenizer(tokenizer) if self.final_only and not params.stop
+                            else IncrementalDetokenizer(tokenizer, list(params.stop)))
+        self.logprobs: list[TokenLogprobs] = []  # a final-only request's, until its output
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.prompt_logprobs_sent = False
         # Speculative decoding on the paged cache: the draft's proposals for the next round (None: none yet) and,
@@ -151,7 +163,8 @@ class Request:
 
     @property
     def text(self) -> str:
-        """The generated text so far (cut before a stop string)."""
+        """The generated text so far (cut before a stop string; a final-only request without stop strings: empty
+        until it finishes)."""
         return self.detokenizer.text
 
     def append_token(self, token: int, eos_token_ids: Iterable[int]) -> str:

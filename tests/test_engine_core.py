@@ -587,6 +587,39 @@ def test_logprobs_and_stop_conditions(paged_artifact, alone):
     assert_pool_whole(engine)
 
 
+def test_a_final_only_request_gets_one_output_with_what_the_deltas_add_up_to(paged_artifact, alone):
+    """output_kind "final" (what generate() and generate_ids() ask for): one output, when the request finishes, whose
+    tokens, text, logprobs and finish reason are what the per-step outputs of the same request add up to; with and
+    without stop strings (decoded as it goes, or once at the end), stop ids, EOS and logprobs."""
+    from dataclasses import replace
+
+    ids, expected = alone
+    engine = fxllm.load(paged_artifact)
+    prompt, reference = ids[4], expected[4]
+    text_stop = reference.text[len(reference.text) // 2:][:3]
+    engine.eos_token_ids = {reference.token_ids[6]}
+    cases = [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=12, stop=[text_stop]),
+             SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, stop_token_ids=[reference.token_ids[3]]),
+             SamplingParams(max_tokens=5, logprobs=2, prompt_logprobs=1, ignore_eos=True),
+             SamplingParams(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True)]
+    for params in cases:
+        deltas = list(engine.stream_outputs(prompt, params))
+        final = list(engine.stream_outputs(prompt, replace(params, output_kind="final")))
+        assert len(final) == 1 and final[0].finished and len(deltas) > 1, params
+        (out,) = final
+        assert out.new_token_ids == [t for d in deltas for t in d.new_token_ids], params
+        assert out.text_delta == "".join(d.text_delta for d in deltas), params
+        assert (out.finish_reason, out.stop_reason) == (deltas[-1].finish_reason, deltas[-1].stop_reason), params
+        assert out.num_output_tokens == deltas[-1].num_output_tokens == len(out.new_token_ids)
+        if params.logprobs is None:
+            assert out.logprobs is None
+        else:
+            assert out.logprobs == [lp for d in deltas for lp in d.logprobs]
+            assert out.prompt_logprobs == deltas[0].prompt_logprobs and len(out.prompt_logprobs) == len(prompt)
+    assert {d.finish_reason for d in (list(engine.stream_outputs(prompt, p))[-1] for p in cases)} == {"stop", "length"}
+    assert_pool_whole(engine)
+
+
 def test_contiguous_batches_take_requests_that_arrive_while_one_runs(make_tiny_artifact):
     engine = fxllm.load(make_tiny_artifact("llama"))
     core = engine.core

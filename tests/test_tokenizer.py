@@ -13,7 +13,7 @@ import time
 import pytest
 
 from fxllm.errors import ArtifactError, GenerationError
-from fxllm.runtime.detokenizer import IncrementalDetokenizer
+from fxllm.runtime.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from fxllm.runtime.tokenizer import load_tokenizer
 from tests.tokenizer_families import CONVERSATIONS, build_family, parity_strings
 
@@ -95,6 +95,9 @@ def test_incremental_detokenizer_is_the_whole_decode_at_every_token(pair):
                 assert detokenizer.text == whole, (name, ids[:count])
         streamed += detokenizer.finish()
         assert streamed == detokenizer.text == ours.decode(ids), (name, ids)
+        final = FinalDetokenizer(ours)  # a final-only request's: nothing until finish(), then the same text
+        assert [final.add(token) for token in ids] == [""] * len(ids) and final.text == ""
+        assert final.finish() == streamed == final.text and final.finish() == "", (name, ids)
 
 
 def test_a_long_generation_detokenizes_in_windows(tokenizer_dir):
