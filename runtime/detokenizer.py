@@ -121,4 +121,3 @@ class FinalDetokenizer:
             self.text = self.tokenizer.decode(self.token_ids)
         delta, self.emitted = self.text[self.emitted:], len(self.text)
         return delta
-
