@@ -6,6 +6,10 @@ a multi-byte character is written `bytes:\\xNN...` as the OpenAI API does. A spe
 `tokens`, but adds nothing to a generated text (which is decoded without special tokens), so its `text_offset` is
 that of the next character. In the completions shape the chosen token is always among `top_logprobs` (so a position
 may list N + 1 tokens, as the reference says); tokens whose texts coincide share one key there.
+
+A logprob of -inf (a token the model masks with a logit of -inf) is sent as LOGPROB_FLOOR: JSON has no -Infinity
+(a non-streamed response carried null, the shape's "no logprob"; a stream, a token strict parsers refuse); vLLM
+sends the same.
 """
 
 from __future__ import annotations
@@ -15,6 +19,13 @@ from functools import lru_cache
 
 from fxllm.runtime.request import TokenLogprobs
 from fxllm.serving.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(logprob: float) -> float:
+    """The logprob, or LOGPROB_FLOOR where it is below it (-inf)."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 class TokenTexts:
@@ -59,10 +70,10 @@ def completion_logprobs(texts: TokenTexts, positions: list[TokenLogprobs], offse
     result = CompletionLogprobs()
     for position in positions:
         token = texts.text(position.token_id)
-        top = {texts.text(i): lp for i, lp in position.top}
-        top.setdefault(token, position.logprob)
+        top = {texts.text(i): finite(lp) for i, lp in position.top}
+        top.setdefault(token, finite(position.logprob))
         result.tokens.append(token)
-        result.token_logprobs.append(position.logprob)
+        result.token_logprobs.append(finite(position.logprob))
         result.top_logprobs.append(top)
         skipped = generated and position.token_id in texts.special_ids
         result.text_offset.append(offsets.advance(b"" if skipped else texts.bytes(position.token_id)))
@@ -85,7 +96,7 @@ def extend(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 
 
 def chat_logprobs(texts: TokenTexts, positions: list[TokenLogprobs]) -> list[TokenLogprob]:
-    return [TokenLogprob(token=texts.text(p.token_id), logprob=p.logprob, bytes=list(texts.bytes(p.token_id)),
-                         top_logprobs=[TopLogprob(token=texts.text(i), logprob=lp, bytes=list(texts.bytes(i)))
+    return [TokenLogprob(token=texts.text(p.token_id), logprob=finite(p.logprob), bytes=list(texts.bytes(p.token_id)),
+                         top_logprobs=[TopLogprob(token=texts.text(i), logprob=finite(lp), bytes=list(texts.bytes(i)))
                                        for i, lp in p.top])
             for p in positions]
