@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import re
 import select
@@ -10,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -188,3 +191,37 @@ def ray_processes(tag: str | None = None) -> set[int]:
 def tagged_environment(tag: str) -> dict[str, str]:
     """This process's environment plus the tag `ray_processes(tag)` looks for."""
     return {**os.environ, RUN_TAG: tag}
+
+
+@contextlib.contextmanager
+def app_on_uvicorn(engine, name: str, listener, http="auto"):
+    """The OpenAI app over `engine` (served as model `name`) on a real uvicorn in a thread of this process, listening
+    on `listener` (a bound, listening socket), so that a test can reach into the engine or the service; `http` is
+    uvicorn's protocol (or `fxllm serve`'s guarded one). Yields the service; the server stops on exit."""
+    import uvicorn
+
+    from fxllm.runtime.async_engine import AsyncEngine
+    from fxllm.serving.app import create_app
+    from fxllm.serving.service import OpenAIService, ServingConfig
+
+    state: dict = {}
+
+    async def main() -> None:
+        state["service"] = service = OpenAIService(AsyncEngine(engine), ServingConfig((name,)))
+        state["server"] = server = uvicorn.Server(uvicorn.Config(create_app(lambda: service), lifespan="off",
+                                                                 log_level="critical", http=http))
+        try:
+            await server.serve(sockets=[listener])
+        finally:
+            await service.engine.shutdown(drain_timeout=0)
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: "server" in state and state["server"].started, timeout=60)
+        yield state["service"]
+    finally:
+        if "server" in state:
+            state["server"].should_exit = True
+        thread.join(30)
+

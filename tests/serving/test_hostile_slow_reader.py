@@ -6,23 +6,17 @@ process, on a socket with small buffers (accepted sockets inherit them), so that
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 import fxllm
-from fxllm.runtime.async_engine import AsyncEngine
 from fxllm.serving import streaming
-from fxllm.serving.app import create_app
 from fxllm.serving.connections import guarded_protocol
-from fxllm.serving.service import OpenAIService, ServingConfig
-from tests.serving.conftest import wait_until
+from tests.serving.conftest import app_on_uvicorn, wait_until
 
 NAME = "tiny"
 STALL_SECONDS = 1.0
@@ -42,25 +36,10 @@ def served(serve_artifact, monkeypatch, request):
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     engine = fxllm.load(serve_artifact, threads=1)
-    state: dict = {}
-
-    async def main() -> None:
-        state["service"] = service = OpenAIService(AsyncEngine(engine), ServingConfig((NAME,)))
-        protocol = guarded_protocol(30, stall_seconds=STALL_SECONDS) if guarded else "auto"
-        state["server"] = server = uvicorn.Server(uvicorn.Config(create_app(lambda: service), lifespan="off",
-                                                                 log_level="critical", http=protocol))
-        try:
-            await server.serve(sockets=[listener])
-        finally:
-            await service.engine.shutdown(drain_timeout=0)
-
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
-    thread.start()
-    assert wait_until(lambda: "server" in state and state["server"].started, timeout=60)
-    host, port = listener.getsockname()
-    yield f"http://{host}:{port}", state["service"]
-    state["server"].should_exit = True
-    thread.join(30)
+    protocol = guarded_protocol(30, stall_seconds=STALL_SECONDS) if guarded else "auto"
+    with app_on_uvicorn(engine, NAME, listener, http=protocol) as service:
+        host, port = listener.getsockname()
+        yield f"http://{host}:{port}", service
     listener.close()
 
 

@@ -6,24 +6,18 @@ token ids after the real call), driven by the official `openai` client and, for 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
 
 import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 import fxllm
-from fxllm.runtime.async_engine import AsyncEngine
-from fxllm.serving.app import create_app
 from fxllm.serving.logprobs import LOGPROB_FLOOR
-from fxllm.serving.service import OpenAIService, ServingConfig
 from tests.backend_wrapper import WrappedBackend
-from tests.serving.conftest import wait_until
+from tests.serving.conftest import app_on_uvicorn
 
 NAME = "masked"
 MASKED = (300, 301)  # token ids the wrapped model never emits
@@ -51,24 +45,9 @@ def served(serve_artifact):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    state: dict = {}
-
-    async def main() -> None:
-        state["service"] = service = OpenAIService(AsyncEngine(engine), ServingConfig((NAME,)))
-        state["server"] = server = uvicorn.Server(uvicorn.Config(create_app(lambda: service), lifespan="off",
-                                                                 log_level="critical"))
-        try:
-            await server.serve(sockets=[listener])
-        finally:
-            await service.engine.shutdown(drain_timeout=0)
-
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
-    thread.start()
-    assert wait_until(lambda: "server" in state and state["server"].started, timeout=60)
-    host, port = listener.getsockname()
-    yield f"http://{host}:{port}/v1", engine
-    state["server"].should_exit = True
-    thread.join(30)
+    with app_on_uvicorn(engine, NAME, listener):
+        host, port = listener.getsockname()
+        yield f"http://{host}:{port}/v1", engine
     listener.close()
 
 
