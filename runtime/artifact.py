@@ -203,5 +203,5 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
         "files": {str(p.relative_to(directory)): {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
     }
     temporary = directory / f".{MANIFEST_FILE}.tmp"
-    temporary.write_text(json.dumps(manifest, indent=2) + "\n")
+    temporary.write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n")  # what load_manifest reads back
     os.replace(temporary, directory / MANIFEST_FILE)  # a crash mid-write never leaves a half manifest

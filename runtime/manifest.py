@@ -9,6 +9,7 @@ naming the field.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, fields
@@ -60,6 +61,24 @@ class Manifest:
         return self.data["files"]
 
 
+class _NonFinite(ValueError):
+    pass
+
+
+def _finite(text: str) -> float:
+    """A JSON number as a float; one beyond float's range (1e999) is refused, as JSON has no infinity: Python's json
+    reads it as inf, and `fxllm inspect --json` wrote it back as `Infinity`, which is not JSON."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFinite(f"the number {text[:40]} is beyond a float's range")
+    return value
+
+
+def _not_json(name: str):
+    """NaN, Infinity, -Infinity: Python's json reads them, JSON has none."""
+    raise _NonFinite(f"{name} is not a JSON number")
+
+
 def load_manifest(directory: str | os.PathLike, verify: bool = True) -> Manifest:
     """Read and validate DIRECTORY/manifest.json; with `verify`, also checksum every file it lists."""
     directory = Path(directory)
@@ -76,11 +95,13 @@ def load_manifest(directory: str | os.PathLike, verify: bool = True) -> Manifest
         raise ArtifactError(f"'{directory}' is not an fxllm artifact (no {MANIFEST_FILE}); compile one with "
                             "`fxllm compile`")
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(path.read_bytes().decode("utf-8"), parse_float=_finite, parse_constant=_not_json)
     except UnicodeDecodeError as exc:
         raise ArtifactError(f"{path} is corrupt: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
     except (json.JSONDecodeError, RecursionError) as exc:
         raise ArtifactError(f"{path} is corrupt: {exc}") from exc
+    except _NonFinite as exc:
+        raise ArtifactError(f"{path} is corrupt: {exc}") from None
     except OSError as exc:
         raise ArtifactError(f"cannot read {path}: {exc.strerror}") from exc
     manifest = parse_manifest(data, directory)

@@ -154,6 +154,19 @@ def test_inspect_of_edited_compile_records_is_an_artifact_error(artifact, path, 
         describe_artifact(artifact)
 
 
+@pytest.mark.parametrize("number", ["Infinity", "-Infinity", "NaN", "1e999"])
+def test_a_number_json_cannot_hold_is_refused(artifact, number):
+    """Python's json reads NaN, Infinity and 1e999 (as inf); JSON has none of them: `fxllm inspect --json` printed
+    a hand-edited compile time back as `Infinity`, which JSON parsers refuse. Refused on reading, in one line."""
+    path = artifact / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    manifest["compile_seconds"]["load"] = 123456.125  # a value no other field holds
+    path.write_text(json.dumps(manifest).replace("123456.125", number))
+    for read in (describe_artifact, lambda a: fxllm.load(a, verify=False)):
+        with pytest.raises(ArtifactError, match=r"manifest\.json is corrupt: .*(not a JSON number|beyond a float)"):
+            read(artifact)
+
+
 def test_inspect_without_compile_records(artifact):
     """Both records are optional: an artifact without them is described, its source as not recorded."""
     _edit(artifact, lambda m: [m.pop("source"), m.pop("compile_seconds")])
