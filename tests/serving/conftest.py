@@ -224,4 +224,3 @@ def app_on_uvicorn(engine, name: str, listener, http="auto"):
         if "server" in state:
             state["server"].should_exit = True
         thread.join(30)
-
