@@ -201,10 +201,10 @@ class EngineCore:
         if kind != PREFILL:
             request.metrics.decode_tokens += len(new_ids)
         if request.final_only:  # one output at the end, with everything (no per-step output to build and deliver)
-            request.logprobs += logprobs
+            request.pending_logprobs += logprobs
             if request.finish_reason is None:
                 return None
-            new_ids, delta, logprobs = list(request.output_token_ids), request.detokenizer.text, request.logprobs
+            new_ids, delta, logprobs = list(request.output_token_ids), request.text, request.pending_logprobs
         if request.finish_reason is not None:
             return self._finish(request, new_ids, delta, logprobs if top is not None else None)
         if not new_ids:

@@ -136,7 +136,7 @@ class Request:
         self.final_only = params.output_kind == "final"
         self.detokenizer = (FinalDetokenizer(tokenizer) if self.final_only and not params.stop
                             else IncrementalDetokenizer(tokenizer, list(params.stop)))
-        self.logprobs: list[TokenLogprobs] = []  # a final-only request's, until its output
+        self.pending_logprobs: list[TokenLogprobs] = []  # a final-only request's, until its one output
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.prompt_logprobs_sent = False
         # Speculative decoding on the paged cache: the draft's proposals for the next round (None: none yet) and,

@@ -19,6 +19,7 @@ import tokenizers
 from tokenizers import AddedToken
 
 from fxllm.errors import ArtifactError
+from fxllm.runtime.checks import short
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -76,8 +77,8 @@ def added_token(value: str | dict[str, Any], special: bool | None) -> AddedToken
         raise ArtifactError(f"a special token in {CONFIG_FILE} has no text: {value!r}")
     for key, flag in fields.items():  # AddedToken raises a TypeError on anything but a bool
         if not isinstance(flag, bool):
-            raise ArtifactError(f"a special token in {CONFIG_FILE} ({value['content'][:60]!r}) has {key} = {flag!r}; "
-                                "it must be true or false")
+            raise ArtifactError(f"a special token in {CONFIG_FILE} ({value['content'][:60]!r}) has {key} = "
+                                f"{short(flag)}; it must be true or false")
     if special:
         fields["special"] = True
     return AddedToken(value["content"], **fields)

@@ -6,8 +6,9 @@ uvicorn bounds the idle time between requests (its keep-alive timeout) and the a
 header line every few seconds (slowloris), held its connection forever, and with httptools a head of any size was
 read into memory (100 MB of headers were accepted). Enough such connections exhaust the server's file descriptors
 or memory. Here a head must be complete `seconds` after the connection opened or its first byte arrived (408, the
-connection closed), and hold at most `max_bytes` (431, closed); both answers are the OpenAI error body, as is the
-400 for bytes that are not HTTP/1.1 (uvicorn's own is plain text).
+connection closed), and hold at most `max_bytes` (431, closed; with httptools the bytes are counted over the reads
+that leave the head incomplete, so a head may hold `max_bytes` plus one read); both answers are the OpenAI error
+body, as is the 400 for bytes that are not HTTP/1.1 (uvicorn's own is plain text).
 
 Writes are bounded too: a connection whose client reads nothing while the server has more than the transport's
 high-water mark to send (its buffers full) for `stall_seconds` is aborted. A non-streamed response is written into
