@@ -71,6 +71,13 @@ _CACHE_NAMES = {  # cache kind → (input pattern, output pattern)
 _CACHE_NAME = re.compile(r"^(?:(past|present|new)_(key|value)_|(key|value)_cache_)(0|[1-9][0-9]*)$")
 
 
+def brief(names: list[str], limit: int = 4) -> str:
+    """The first `limit` names joined with ", ", then how many more: a list of a model's 120 cache tensors keeps an
+    error message one readable line."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
 @functools.cache
 def cache_input(cache: str, kind: str, layer: int) -> str:
     """Name of layer `layer`'s K or V cache input: past_key_3 (contiguous), key_cache_3 (paged)."""
@@ -211,17 +218,19 @@ class ModelIO:
         missing = sorted(expected_inputs - set(input_names)) + sorted(expected_outputs - set(output_names))
         unknown = sorted(set(input_names) - expected_inputs - optional_inputs) + \
             sorted(set(output_names) - expected_outputs)
-        problems = [f"missing {', '.join(missing)}"] if missing else []
-        problems += [f"unknown {', '.join(unknown)}"] if unknown else []
+        problems = [f"missing {brief(missing)}"] if missing else []
+        problems += [f"unknown {brief(unknown)}"] if unknown else []
         problems += ["a repeated input name"] if len(set(input_names)) != len(input_names) else []
         problems += [f"outputs that do not start with '{LOGITS}'"] if output_names[:1] != [LOGITS] else []
+        wrong: dict[str, list[str]] = {}  # one problem per kind of mistake, naming the tensors that make it
         for sig in (*inputs, *outputs):
             wanted = INTEGER_DTYPES if sig.name in INTEGER_INPUTS else FLOAT_DTYPES
             if sig.dtype not in wanted:
-                problems.append(f"'{sig.name}' of dtype {sig.dtype} (expected {' or '.join(wanted)})")
+                wrong.setdefault(f"of dtype {sig.dtype} (expected {' or '.join(wanted)})", []).append(sig.name)
             rank = RANKS.get(sig.name, 4 if parse_cache_name(sig.name) else None)
             if rank is not None and len(sig.dims) != rank:
-                problems.append(f"'{sig.name}' of rank {len(sig.dims)} (expected {rank})")
+                wrong.setdefault(f"of rank {len(sig.dims)} (expected {rank})", []).append(sig.name)
+        problems += [f"{brief([repr(name) for name in names])} {what}" for what, names in wrong.items()]
         if problems:
             raise ValueError(f"the signature is not a {cache}-cache calling convention: {'; '.join(problems)}")
         block_size, head_major = None, False
@@ -344,8 +353,8 @@ def signature_mismatch(io: ModelIO | UnrolledDraftIO, actual_inputs: dict[str, t
         names = {sig.name for sig in expected}
         if names != set(actual):
             extra, missing = sorted(set(actual) - names), sorted(names - set(actual))
-            return (f"the model's {side}s differ from the manifest's (model only: {', '.join(extra) or 'none'}; "
-                    f"manifest only: {', '.join(missing) or 'none'})")
+            return (f"the model's {side}s differ from the manifest's (model only: {brief(extra) or 'none'}; "
+                    f"manifest only: {brief(missing) or 'none'})")
         for sig in expected:
             dtype, rank = actual[sig.name]
             if (dtype, rank) != (sig.dtype, len(sig.dims)):
