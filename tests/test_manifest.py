@@ -215,7 +215,8 @@ def test_a_signature_wrong_in_every_layer_is_one_readable_line():
     layers = 30
     caches = [TensorSig(f"past_{kind}_{i}", ("batch", 3, "capacity", 64), "int8")
               for i in range(layers) for kind in ("key", "value")]
-    sigs = [TensorSig("input_ids", ("batch", "tokens"), "int64"), TensorSig("position_ids", ("batch", "tokens"), "int64"),
+    sigs = [TensorSig("input_ids", ("batch", "tokens"), "int64"),
+            TensorSig("position_ids", ("batch", "tokens"), "int64"),
             TensorSig("attention_mask", ("batch", "total"), "int64"), *caches]
     outs = [TensorSig("logits", ("batch", "tokens", 10), "float32"),
             *[TensorSig(f"present_{kind}_{i}", ("batch", 3, "capacity", 64), "int8")
