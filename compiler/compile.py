@@ -36,6 +36,7 @@ class CompileReport:
     records: list[PassRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # e.g. why no TensorRT engine was built
     lowering_steps: dict[str, float] = field(default_factory=dict)  # the "lower" phase, step by step
+    kv_cache: dict[str, Any] | None = None  # an int8 KV cache: its calibration and drift (as in the manifest)
 
     @property
     def total_seconds(self) -> float:
@@ -59,6 +60,8 @@ def compile_model(
     int8_activations: bool = False,
     dtype: str = "float32",
     ort_steps: tuple[str, ...] | list[str] | None = None,
+    kv_cache_dtype: str = "auto",
+    kv_cache_calib: str = "shakespeare",
 ) -> CompileReport:
     """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work, and so is
     OUTPUT: it is replaced only when it is an fxllm artifact holding nothing else (runtime/artifact.py check_output),
@@ -73,7 +76,10 @@ def compile_model(
     activations, the math the drift report measured. `dtype` (float32, float16, bfloat16; targets torch and
     tensorrt) runs the finished graph in half precision (the `dtype` pass, appended last). `ort_steps` (target ort)
     names the ONNX Runtime legalization steps to run (compiler/targets/ort; default all, () none: the standard
-    form)."""
+    form). `kv_cache_dtype` "int8" (target ort, contiguous cache) stores the KV cache as int8 codes with per-channel
+    scales calibrated on `kv_cache_calib` (a text file or a named dataset; compiler/kv_calibration.py): a quarter of
+    the cache's memory, its drift measured on the artifact and recorded in the manifest; "auto" keeps the model's
+    dtype."""
     from fxllm import __version__
     from fxllm.compiler.capture import capture
 
@@ -95,6 +101,7 @@ def compile_model(
     check_dtype(steps, target, gguf=bool(source.gguf_file))
     if ort_steps is not None:
         _check_ort_steps(ort_steps, target)
+    _check_kv_cache_dtype(kv_cache_dtype, kv_cache_calib, target, provided, ort_steps)
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
     if draft_source is not None:
@@ -132,6 +139,13 @@ def compile_model(
         )
         model_file = TORCH_MODEL_FILE if target == "torch" else MODEL_FILE
         signature, legalized = (program.inputs, program.outputs), None
+        kv_scales = kv_calibrated = None
+        if kv_cache_dtype == "int8":
+            from fxllm.compiler.kv_calibration import kv_cache_scales
+
+            kv_scales, kv_calibrated = timed("kv-calibration", "calibrating the int8 KV cache", kv_cache_scales,
+                                             program, kv_cache_calib)
+            program.spec.kv_cache_dtype = "int8"
         if target == "torch":
             from fxllm.compiler.targets.torch_export import lower_to_torch
 
@@ -142,7 +156,7 @@ def compile_model(
 
             lowered = timed("lower", f"lowering to ONNX (target {target})", lower_to_onnx, program,
                             stage / model_file, target, report.lowering_steps,
-                            tuple(ort_steps) if ort_steps is not None else None)
+                            tuple(ort_steps) if ort_steps is not None else None, kv_scales)
             signature, legalized = (lowered.inputs, lowered.outputs), lowered.legalized
         if target == "tensorrt":
             report.notes += _audit_for_tensorrt(stage / model_file)
@@ -150,7 +164,7 @@ def compile_model(
         speculative = None
         if draft_spec is not None:
             speculative = _compile_draft(draft_spec, model, stage, program.spec.vocab_size, spec_k, report)
-        write_manifest(stage, {
+        manifest = {
             "fxllm_version": __version__,
             "source": {"name": source.name, "gguf": bool(source.gguf_file)},
             "target": target,
@@ -173,7 +187,15 @@ def compile_model(
             # flipped SmolLM2's greedy answer to the README's question into garbage (perplexity +0.6%); opt-in only.
             "runtime": {"int8_activations": int8_activations and "quantized" in program.facts},
             "speculative": speculative,
-        })
+        }
+        write_manifest(stage, manifest)
+        if kv_scales is not None:
+            from fxllm.compiler.kv_calibration import kv_cache_drift
+
+            drift = timed("kv-drift", "measuring the int8 KV cache's drift", kv_cache_drift, program, stage)
+            report.kv_cache = {"dtype": "int8", "calibration": kv_calibrated, "drift": drift.to_dict()}
+            manifest["lowering"] = manifest["lowering"] | {"kv_cache": report.kv_cache}
+            write_manifest(stage, manifest)
     if target == "tensorrt":
         _try_engine_build(report)
     return report
@@ -188,6 +210,35 @@ def _check_ort_steps(ort_steps, target: str) -> None:
     if unknown:
         raise PipelineError(f"unknown ort legalization step(s) {', '.join(unknown)} (available: "
                             f"{', '.join(STEP_NAMES)})")
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: Any, calibration: Any, target: str, provided: set[str],
+                          ort_steps) -> None:
+    """An int8 KV cache is GroupQueryAttention's (target ort) over a contiguous cache: refused otherwise, before
+    any work, like a calibration source that cannot be read."""
+    from fxllm.runtime.contract import KV_CACHE_DTYPES
+
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise PipelineError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                            f"{describe(kv_cache_dtype)}")
+    if kv_cache_dtype == "auto":
+        return
+    if target != "ort":
+        raise PipelineError(f"--kv-cache-dtype int8 is ONNX Runtime's quantized GroupQueryAttention cache: target "
+                            f"'ort' only (not '{target}')")
+    if "paged" in provided:
+        raise PipelineError("--kv-cache-dtype int8 applies to the contiguous cache; the paged pool stays float32 "
+                            "(drop the paged pass or the option)")
+    if ort_steps is not None and not {"group-query-attention", "int8-kv-cache"} <= set(ort_steps):
+        raise PipelineError("--kv-cache-dtype int8 needs the ort steps group-query-attention and int8-kv-cache")
+    from fxllm.compiler.quant.calibration import check_calibration_source
+
+    if not isinstance(calibration, str):
+        raise PipelineError(f"kv_cache_calib must be a text file or a dataset name, got {describe(calibration)}")
+    try:
+        check_calibration_source(calibration)
+    except PipelineError as exc:
+        raise PipelineError(str(exc).replace("quantize:", "kv-cache int8:", 1)) from None
 
 
 def _check_plain_options(passes: Any, keep_layers: Any, requantize: Any, int8_activations: Any) -> None:

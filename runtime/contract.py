@@ -58,6 +58,10 @@ INTEGER_INPUTS = frozenset({INPUT_IDS, POSITION_IDS, ATTENTION_MASK, LOGITS_INDE
 RANKS = {INPUT_IDS: 2, POSITION_IDS: 2, ATTENTION_MASK: 2, LOGITS_INDEX: 1, BLOCK_TABLES: 2, CONTEXT_LENS: 1, LOGITS: 3}
 INTEGER_DTYPES = ("int64",)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # logits and KV caches
+# A contiguous cache may also hold int8 codes (`--kv-cache-dtype int8`, target ort: GroupQueryAttention's quantized
+# cache, its per-channel scales constants of the graph); a paged pool stays float.
+CONTIGUOUS_CACHE_DTYPES = (*FLOAT_DTYPES, "int8")
+KV_CACHE_DTYPES = ("auto", "int8")  # compile_model's kv_cache_dtype: "auto" keeps the model's dtype
 
 CONTIGUOUS, PAGED = "contiguous", "paged"
 KV_CAPACITY = "capacity"  # dim 2 of a shared-buffer contiguous cache (see the module docstring)
@@ -158,6 +162,7 @@ class ModelSpec:
     pad_token_id: int | None = None
     dtype: str = "float32"
     notes: list[str] = field(default_factory=list)
+    kv_cache_dtype: str = ""  # the cache's element type when it is not `dtype` ("int8": --kv-cache-dtype int8)
     source_num_kv_heads: int | None = None  # set when a pass changed the KV heads (gqa conversion)
     # Per layer: how many keys a query sees (itself included) under a sliding window, 0 for full attention; empty
     # when no layer slides. The paged runtime releases blocks no layer can see any more when every layer slides.
@@ -174,7 +179,7 @@ class ModelSpec:
     def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
         """Bytes of K and V cache one token occupies across all layers (elements of the model's dtype unless
         bytes_per_element is given)."""
-        size = bytes_per_element or (2 if self.dtype in ("float16", "bfloat16") else 4)
+        size = bytes_per_element or {"int8": 1, "float16": 2, "bfloat16": 2}.get(self.kv_cache_dtype or self.dtype, 4)
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * size
 
     def to_dict(self) -> dict[str, Any]:
@@ -224,10 +229,12 @@ class ModelIO:
         problems += [f"outputs that do not start with '{LOGITS}'"] if output_names[:1] != [LOGITS] else []
         wrong: dict[str, list[str]] = {}  # one problem per kind of mistake, naming the tensors that make it
         for sig in (*inputs, *outputs):
-            wanted = INTEGER_DTYPES if sig.name in INTEGER_INPUTS else FLOAT_DTYPES
+            role = parse_cache_name(sig.name)
+            wanted = INTEGER_DTYPES if sig.name in INTEGER_INPUTS else \
+                CONTIGUOUS_CACHE_DTYPES if role is not None and role.cache == CONTIGUOUS else FLOAT_DTYPES
             if sig.dtype not in wanted:
                 wrong.setdefault(f"of dtype {sig.dtype} (expected {' or '.join(wanted)})", []).append(sig.name)
-            rank = RANKS.get(sig.name, 4 if parse_cache_name(sig.name) else None)
+            rank = RANKS.get(sig.name, 4 if role else None)
             if rank is not None and len(sig.dims) != rank:
                 wrong.setdefault(f"of rank {len(sig.dims)} (expected {rank})", []).append(sig.name)
         problems += [f"{brief([repr(name) for name in names])} {what}" for what, names in wrong.items()]

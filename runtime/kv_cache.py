@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fxllm.runtime.contract import CONTIGUOUS, ModelIO, ModelSpec, cache_input, cache_output
+from fxllm.runtime.contract import CONTIGUOUS, ModelIO, ModelSpec, cache_input, cache_output, parse_cache_name
 
 
 @dataclass
@@ -67,8 +67,9 @@ class SharedKVCache:
     MIN_CAPACITY = 256  # rows allocated at first; doubled whenever a step needs more (amortized copies)
 
     @classmethod
-    def empty(cls, layers: int, batch: int, kv_heads: int, head_dim: int) -> SharedKVCache:
-        buffers = _one_block(2 * layers, (batch, kv_heads, cls.MIN_CAPACITY, head_dim))
+    def empty(cls, layers: int, batch: int, kv_heads: int, head_dim: int, dtype=np.float32) -> SharedKVCache:
+        """dtype: the graph's cache element type (int8 for a quantized cache: codes, the scales are the graph's)."""
+        buffers = _one_block(2 * layers, (batch, kv_heads, cls.MIN_CAPACITY, head_dim), dtype)
         return cls(buffers[:layers], buffers[layers:])
 
     @property
@@ -92,7 +93,7 @@ class SharedKVCache:
         """New buffers of `capacity` rows holding rows [start, length) of the old ones (batch rows `rows` only)."""
         old = self.keys + self.values
         batch = old[0].shape[0] if rows is None else len(rows)
-        new = _one_block(len(old), (batch, old[0].shape[1], capacity, old[0].shape[3]))
+        new = _one_block(len(old), (batch, old[0].shape[1], capacity, old[0].shape[3]), old[0].dtype)
         for source, target in zip(old, new):
             source = source if rows is None else source[rows]
             target[:, :, : self.length - start] = source[:, :, start: self.length]
@@ -139,17 +140,19 @@ class SharedKVCache:
         return SharedKVCache(self.keys, self.values)
 
 
-def _one_block(count: int, shape: tuple[int, ...]) -> list[np.ndarray]:
-    """`count` zeroed float32 buffers of `shape`, views of one allocation (one mapping per move instead of one per
+def _one_block(count: int, shape: tuple[int, ...], dtype=np.float32) -> list[np.ndarray]:
+    """`count` zeroed buffers of `shape`, views of one allocation (one mapping per move instead of one per
     buffer: the kernel may back it with transparent huge pages, which 1-2 MB arrays never get; on the 2-core
     development VM it mostly did not, even when madvised, and no speed change was measurable beyond noise)."""
-    return list(np.zeros((count, *shape), np.float32))
+    return list(np.zeros((count, *shape), dtype))
 
 
 def new_contiguous_cache(io: ModelIO, spec: ModelSpec, backend: object, batch: int = 1) -> ContiguousKVCache:
     """An empty contiguous cache for a graph of this calling convention: in-place buffers for a shared-buffer graph,
     else the backend's (device-resident) kind if it has one, else host arrays."""
     if io.shared_buffer:
-        return SharedKVCache.empty(io.num_layers, batch, spec.num_kv_heads, spec.head_dim)
+        quantized = any(sig.dtype == "int8" for sig in io.inputs if parse_cache_name(sig.name) is not None)
+        return SharedKVCache.empty(io.num_layers, batch, spec.num_kv_heads, spec.head_dim,
+                                   np.int8 if quantized else np.float32)
     make = getattr(backend, "new_contiguous_cache", ContiguousKVCache.empty)
     return make(io.num_layers, batch, spec.num_kv_heads, spec.head_dim)

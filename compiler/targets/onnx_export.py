@@ -56,11 +56,13 @@ class Lowered:
 
 
 def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort",
-                  seconds: dict[str, float] | None = None, ort_steps: tuple[str, ...] | None = None) -> Lowered:
+                  seconds: dict[str, float] | None = None, ort_steps: tuple[str, ...] | None = None,
+                  kv_cache_scales: list | None = None) -> Lowered:
     """Write `path` (+ `path`.data with the weights) and return the checked model and its signature.
     The exporter's model is finished in memory (dimension names, node origins, the `ort` target's legalization
     steps — all of them, or only those named in `ort_steps` — packed INT4, float16 GGUF scales) and written once.
-    `seconds` (optional) receives the time of each lowering step."""
+    `seconds` (optional) receives the time of each lowering step. `kv_cache_scales` (target ort): per layer the
+    (K, V) scales of an int8 cache (compiler/kv_calibration.py), which the int8-kv-cache step writes in."""
     if target not in TARGETS:
         raise UnsupportedModelError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     timer = _Timer(seconds)
@@ -80,7 +82,8 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
         name_dimensions(model, program)
         record_origins(model, exported.graph)
         share_rotary_tables(model)
-    context = LegalizationContext(program.spec, list(program.inputs), list(program.outputs))
+    context = LegalizationContext(program.spec, list(program.inputs), list(program.outputs),
+                                  kv_cache_scales=kv_cache_scales)
     if target == "ort":
         ort_legalize(model, context, timer.seconds, only=ort_steps)
     with timer("finish"):

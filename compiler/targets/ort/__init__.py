@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
 
-from fxllm.compiler.targets.ort import (attention_rotary, group_query_attention, int4_zero_points, paged_attention,
-                                        paged_run, skip_rms_norm, split_projections, untie_quantized_head)
+from fxllm.compiler.targets.ort import (attention_rotary, group_query_attention, int4_zero_points, int8_kv_cache,
+                                        paged_attention, paged_run, skip_rms_norm, split_projections,
+                                        untie_quantized_head)
 from fxllm.compiler.targets.ort.graph import MS_DOMAIN, remove_unused
 from fxllm.errors import UnsupportedModelError
 from fxllm.runtime.contract import ModelSpec, TensorSig
@@ -32,6 +34,8 @@ class LegalizationContext:
     inputs: list[TensorSig]
     outputs: list[TensorSig]
     rewritten: dict[str, int] = field(default_factory=dict)
+    # per layer (K scale, V scale), each [kv_heads, head_dim]: the int8-kv-cache step's; None: float caches
+    kv_cache_scales: list[tuple[np.ndarray, np.ndarray]] | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ STEPS: tuple[Step, ...] = (
     Step(untie_quantized_head.NAME, untie_quantized_head.apply),
     Step(group_query_attention.NAME, group_query_attention.apply),
     Step(attention_rotary.NAME, attention_rotary.apply),
+    Step(int8_kv_cache.NAME, int8_kv_cache.apply),  # on the final GroupQueryAttention nodes; only when asked for
     Step(paged_run.NAME, paged_run.apply),  # where it applies, paged-attention finds nothing left to rewrite
     Step(paged_attention.NAME, paged_attention.apply),
     Step(split_projections.NAME, split_projections.apply),  # after the steps that read a fused q/k/v whole
