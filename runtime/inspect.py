@@ -68,7 +68,8 @@ def _render(info: dict[str, Any]) -> str:
         f"model        {info['source']['name']}: {spec['architecture']}, {spec['num_layers']} layers, "
         f"{spec['num_heads']} heads / {spec['num_kv_heads']} KV heads × {spec['head_dim']}, hidden "
         f"{spec['hidden_size']}, vocab {spec['vocab_size']}, context {spec['max_positions']}",
-        f"KV cache     {info['kv_cache_bytes_per_token']:,} bytes/token ({spec.get('dtype', 'float32')}), "
+        f"KV cache     {info['kv_cache_bytes_per_token']:,} bytes/token "
+        f"({spec.get('kv_cache_dtype') or spec.get('dtype', 'float32')}), "
         f"{byte_size(info['kv_cache_bytes_full_context'])} per sequence at full context"
         + (f"; {info['kv_cache_bytes_per_token_before_passes']:,} bytes/token before gqa regrouped "
            f"{spec['source_num_kv_heads']} → {spec['num_kv_heads']} KV heads" if spec.get("source_num_kv_heads") else ""),

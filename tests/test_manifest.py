@@ -213,18 +213,18 @@ def test_a_signature_wrong_in_every_layer_is_one_readable_line():
     """A model whose 120 cache tensors all have a dtype the runtime cannot feed: one problem naming a few of them
     and how many more (the message used to list all 120, ~10 KB in one line)."""
     layers = 30
-    caches = [TensorSig(f"past_{kind}_{i}", ("batch", 3, "capacity", 64), "int8")
+    caches = [TensorSig(f"past_{kind}_{i}", ("batch", 3, "capacity", 64), "int32")
               for i in range(layers) for kind in ("key", "value")]
     sigs = [TensorSig("input_ids", ("batch", "tokens"), "int64"),
             TensorSig("position_ids", ("batch", "tokens"), "int64"),
             TensorSig("attention_mask", ("batch", "total"), "int64"), *caches]
     outs = [TensorSig("logits", ("batch", "tokens", 10), "float32"),
-            *[TensorSig(f"present_{kind}_{i}", ("batch", 3, "capacity", 64), "int8")
+            *[TensorSig(f"present_{kind}_{i}", ("batch", 3, "capacity", 64), "int32")
               for i in range(layers) for kind in ("key", "value")]]
     with pytest.raises(ValueError) as raised:
         ModelIO.from_signature(sigs, outs)
     message = str(raised.value)
-    assert "'past_key_0', 'past_value_0', 'past_key_1', 'past_value_1' and 116 more of dtype int8 (expected float32" \
+    assert "'past_key_0', 'past_value_0', 'past_key_1', 'past_value_1' and 116 more of dtype int32 (expected float32" \
         in message
     assert len(message) < 300 and "\n" not in message
     floats = [TensorSig(s.name, s.dims, "float32" if s.name.startswith("past_") else s.dtype) for s in sigs]
