@@ -77,7 +77,7 @@ def compile_model(
     tensorrt) runs the finished graph in half precision (the `dtype` pass, appended last). `ort_steps` (target ort)
     names the ONNX Runtime legalization steps to run (compiler/targets/ort; default all, () none: the standard
     form). `kv_cache_dtype` "int8" (target ort, contiguous cache) stores the KV cache as int8 codes with per-channel
-    scales calibrated on `kv_cache_calib` (a text file or a named dataset; compiler/kv_calibration.py): a quarter of
+    scales calibrated on `kv_cache_calib` (a text file or a named dataset; compiler/quant/kv_cache.py): a quarter of
     the cache's memory, its drift measured on the artifact and recorded in the manifest; "auto" keeps the model's
     dtype."""
     from fxllm import __version__
@@ -141,7 +141,7 @@ def compile_model(
         signature, legalized = (program.inputs, program.outputs), None
         kv_scales = kv_calibrated = None
         if kv_cache_dtype == "int8":
-            from fxllm.compiler.kv_calibration import kv_cache_scales
+            from fxllm.compiler.quant.kv_cache import kv_cache_scales
 
             kv_scales, kv_calibrated = timed("kv-calibration", "calibrating the int8 KV cache", kv_cache_scales,
                                              program, kv_cache_calib)
@@ -190,7 +190,7 @@ def compile_model(
         }
         write_manifest(stage, manifest)
         if kv_scales is not None:
-            from fxllm.compiler.kv_calibration import kv_cache_drift
+            from fxllm.compiler.quant.kv_cache import kv_cache_drift
 
             drift = timed("kv-drift", "measuring the int8 KV cache's drift", kv_cache_drift, program, stage)
             report.kv_cache = {"dtype": "int8", "calibration": kv_calibrated, "drift": drift.to_dict()}

@@ -62,7 +62,7 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
     The exporter's model is finished in memory (dimension names, node origins, the `ort` target's legalization
     steps — all of them, or only those named in `ort_steps` — packed INT4, float16 GGUF scales) and written once.
     `seconds` (optional) receives the time of each lowering step. `kv_cache_scales` (target ort): per layer the
-    (K, V) scales of an int8 cache (compiler/kv_calibration.py), which the int8-kv-cache step writes in."""
+    (K, V) scales of an int8 cache (compiler/quant/kv_cache.py), which the int8-kv-cache step writes in."""
     if target not in TARGETS:
         raise UnsupportedModelError(f"unknown target '{target}' (available: {', '.join(TARGETS)})")
     timer = _Timer(seconds)

@@ -7,7 +7,7 @@ after:  the same node with kv_cache_bit_width=8, k_quant_type=v_quant_type=PER_C
 
 ONNX Runtime's CPU kernel quantizes each new K/V row into the cache (round to nearest, saturated to ±127) and
 attends over the dequantized cache, the step's own rows included. The scales are the compile's calibration
-(compiler/kv_calibration.py: each layer's largest |K| and |V| per KV head and channel over a calibration text, the
+(compiler/quant/kv_cache.py: each layer's largest |K| and |V| per KV head and channel over a calibration text, the
 rotary embedding applied, / 127). What it buys: a quarter of the cache's bytes (SmolLM2: 46,080 → 11,520 a token),
 and decode attention over ~1,000 cached tokens reads a quarter of them (docs/targets.md, "an int8 KV cache"). What
 it costs is drift: the compile measures it on the written artifact and records it in the manifest.
