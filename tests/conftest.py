@@ -66,6 +66,17 @@ def tokenizer(tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
+def calibration_file(tmp_path_factory):
+    """Real English text that ships with Python, for the calibrated quantizers and the int8 KV cache (the tests only
+    need text, not a public-domain one)."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text("\n\n".join(topics.values()))
+    return path
+
+
+@pytest.fixture(scope="session")
 def make_tiny_model(tmp_path_factory, tokenizer):
     """arch → HF directory with random weights (seeded) and the real SmolLM2 tokenizer."""
     from transformers import AutoModelForCausalLM

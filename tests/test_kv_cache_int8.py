@@ -18,20 +18,10 @@ pytestmark = pytest.mark.xdist_group("kv-cache-int8")
 
 
 @pytest.fixture(scope="module")
-def calibration_text(tmp_path_factory):
-    """Real English text that ships with Python (any text calibrates the ranges)."""
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("kv-calib") / "calib.txt"
-    path.write_text("\n\n".join(topics.values()))
-    return path
-
-
-@pytest.fixture(scope="module")
-def int8_artifact(tmp_path_factory, make_tiny_model, calibration_text):
+def int8_artifact(tmp_path_factory, make_tiny_model, calibration_file):
     output = tmp_path_factory.mktemp("kv8") / "artifact"
     report = fxllm.compile(make_tiny_model("llama"), output, kv_cache_dtype="int8",
-                           kv_cache_calib=str(calibration_text))
+                           kv_cache_calib=str(calibration_file))
     return output, report
 
 

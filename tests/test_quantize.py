@@ -28,16 +28,6 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture(scope="module")
-def calibration_file(tmp_path_factory):
-    """Real English text that ships with Python (the tests only need text, not a public-domain one)."""
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_text("\n\n".join(topics.values()))
-    return path
-
-
 def test_int8_per_channel_round_trip():
     weight = torch.randn(48, 64, generator=_generator(0))
     codes, scales, _ = round_to_nearest(weight, QuantFormat(8, 0))
