@@ -235,10 +235,7 @@ def _check_kv_cache_dtype(kv_cache_dtype: Any, calibration: Any, target: str, pr
 
     if not isinstance(calibration, str):
         raise PipelineError(f"kv_cache_calib must be a text file or a dataset name, got {describe(calibration)}")
-    try:
-        check_calibration_source(calibration)
-    except PipelineError as exc:
-        raise PipelineError(str(exc).replace("quantize:", "kv-cache int8:", 1)) from None
+    check_calibration_source(calibration, user="kv-cache int8")
 
 
 def _check_plain_options(passes: Any, keep_layers: Any, requantize: Any, int8_activations: Any) -> None:

@@ -40,8 +40,9 @@ def calibration_tokens(tokenizer, text: str, samples: int, seq_len: int, source:
     return torch.tensor([ids[s:s + seq_len] for s in starts], dtype=torch.long)
 
 
-def check_calibration_source(path: str) -> None:
-    """Refuse a calibration source that is neither a named dataset nor a readable file, before any work."""
+def check_calibration_source(path: str, user: str = "quantize") -> None:
+    """Refuse a calibration source that is neither a named dataset nor a readable file, before any work; `user`
+    (the quantize pass, the int8 KV cache) begins the message."""
     from fxllm.datasets import dataset_names
 
     if path in dataset_names() and not Path(path).exists():
@@ -49,28 +50,29 @@ def check_calibration_source(path: str) -> None:
     file = Path(path)
     if not file.is_file() or not os.access(file, os.R_OK):
         problem = "is a directory" if file.is_dir() else "is not readable" if file.exists() else "does not exist"
-        raise PipelineError(f"quantize: the calibration text '{path}' {problem} (give a UTF-8 text file or one of "
+        raise PipelineError(f"{user}: the calibration text '{path}' {problem} (give a UTF-8 text file or one of "
                             f"{', '.join(dataset_names())})")
-    _decode(file.read_bytes(), path)  # before the model loads: a binary file is refused at once
+    _decode(file.read_bytes(), path, user)  # before the model loads: a binary file is refused at once
 
 
-def read_calibration_text(path: str) -> tuple[str, str]:
-    """(text, source name) from a file path, or from a named public-domain dataset ('shakespeare')."""
+def read_calibration_text(path: str, user: str = "quantize") -> tuple[str, str]:
+    """(text, source name) from a file path, or from a named public-domain dataset ('shakespeare'); `user` begins
+    an error's message."""
     from fxllm.datasets import dataset_names, dataset_text
 
     if path in dataset_names() and not Path(path).exists():
         return dataset_text(path), path
     try:
-        return _decode(Path(path).read_bytes(), path), path
+        return _decode(Path(path).read_bytes(), path, user), path
     except OSError as exc:
-        raise PipelineError(f"quantize: cannot read the calibration text '{path}': {exc}") from exc
+        raise PipelineError(f"{user}: cannot read the calibration text '{path}': {exc}") from exc
 
 
-def _decode(data: bytes, path: str) -> str:
+def _decode(data: bytes, path: str, user: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise PipelineError(f"quantize: the calibration text '{path}' is not UTF-8 text (byte "
+        raise PipelineError(f"{user}: the calibration text '{path}' is not UTF-8 text (byte "
                             f"0x{exc.object[exc.start]:02x} at offset {exc.start}); calibrating on it would fit the "
                             "quantization to noise") from None
 

@@ -18,7 +18,7 @@ import torch
 from fxllm.compiler.drift import Drift, Logits, compare_logits, drift_sample
 from fxllm.compiler.interface import run_sequence, step_inputs
 from fxllm.compiler.program import Program
-from fxllm.errors import FxllmError, PipelineError
+from fxllm.errors import PipelineError
 from fxllm.runtime.contract import CONTIGUOUS, LOGITS_INDEX, cache_output
 
 SAMPLES, WINDOW = 4, 256  # calibration windows of the text, tokens each (fewer: a model with fewer positions)
@@ -29,10 +29,7 @@ def kv_cache_scales(program: Program, calibration: str) -> tuple[list[tuple[np.n
     """Per layer (K scale, V scale), each [kv_heads, head_dim] float32; and what they were calibrated on."""
     from fxllm.compiler.quant.calibration import read_calibration_text
 
-    try:
-        text, source = read_calibration_text(calibration)
-    except FxllmError as exc:
-        raise PipelineError(str(exc).replace("quantize:", "kv-cache int8:", 1)) from None
+    text, source = read_calibration_text(calibration, user="kv-cache int8")
     window = min(WINDOW, program.spec.max_positions)
     ids = program.tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < window:
