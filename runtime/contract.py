@@ -267,6 +267,12 @@ class ModelIO:
         return (dims[2], dims[3]) if self.paged and not self.head_major_pool else (dims[1], dims[3])
 
     @property
+    def cache_dtypes(self) -> frozenset[str]:
+        """The element types of the cache inputs and outputs: one, unless the signature is inconsistent (the manifest
+        reader refuses that)."""
+        return frozenset(sig.dtype for sig in (*self.inputs, *self.outputs) if parse_cache_name(sig.name))
+
+    @property
     def shared_buffer(self) -> bool:
         """A contiguous cache the step updates in place: each present output aliases its past input."""
         return self._capacity_dim in (KV_CAPACITY, KV_CAPACITY_PER_ROW)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fxllm.runtime.contract import CONTIGUOUS, ModelIO, ModelSpec, cache_input, cache_output, parse_cache_name
+from fxllm.runtime.contract import CONTIGUOUS, ModelIO, ModelSpec, cache_input, cache_output
 
 
 @dataclass
@@ -151,8 +151,7 @@ def new_contiguous_cache(io: ModelIO, spec: ModelSpec, backend: object, batch: i
     """An empty contiguous cache for a graph of this calling convention: in-place buffers for a shared-buffer graph,
     else the backend's (device-resident) kind if it has one, else host arrays."""
     if io.shared_buffer:
-        quantized = any(sig.dtype == "int8" for sig in io.inputs if parse_cache_name(sig.name) is not None)
         return SharedKVCache.empty(io.num_layers, batch, spec.num_kv_heads, spec.head_dim,
-                                   np.int8 if quantized else np.float32)
+                                   np.int8 if "int8" in io.cache_dtypes else np.float32)
     make = getattr(backend, "new_contiguous_cache", ContiguousKVCache.empty)
     return make(io.num_layers, batch, spec.num_kv_heads, spec.head_dim)

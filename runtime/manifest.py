@@ -19,7 +19,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from fxllm.errors import ArtifactError
 from fxllm.runtime.artifact_files import check_tokenizer_dir, confine, verify_files
 from fxllm.runtime.contract import (ARTIFACT_KIND, FLOAT_DTYPES, FORMAT_VERSION, MANIFEST_FILE, MAX_SPEC_K, TARGETS,
-                                    ModelIO, ModelSpec, TensorSig, parse_cache_name)
+                                    ModelIO, ModelSpec, TensorSig)
 
 DRAFT_MODES = ("model", "self-int4", "self-layers", "ngram")
 # The oldest artifact format this fxllm reads (versions up to FORMAT_VERSION): the first; no fxllm wrote a lower one.
@@ -247,11 +247,11 @@ def _io(data: dict[str, Any], spec: ModelSpec, fields_: _Fields) -> ModelIO:
         fields_.fail("io", f"caches {heads} KV heads of {head_dim}, the spec {spec.num_kv_heads} of {spec.head_dim}")
     if io.outputs[0].dims[-1] != spec.vocab_size:
         fields_.fail("io", f"gives {io.outputs[0].dims[-1]} logits per token, the spec's vocabulary is {spec.vocab_size}")
-    int8_caches = {sig.dtype == "int8" for sig in (*io.inputs, *io.outputs) if parse_cache_name(sig.name)}
-    if int8_caches == {True, False} or (True in int8_caches) != (spec.kv_cache_dtype == "int8"):
+    quantized = "int8" in io.cache_dtypes
+    if (quantized and len(io.cache_dtypes) > 1) or quantized != (spec.kv_cache_dtype == "int8"):
         fields_.fail("io", f"int8 caches in some layers or against spec.kv_cache_dtype "
                            f"{spec.kv_cache_dtype or 'unset'}: every cache tensor is int8 exactly when it is int8")
-    if True in int8_caches and not io.shared_buffer:
+    if quantized and not io.shared_buffer:
         fields_.fail("io", "holds int8 caches outside a shared-buffer contiguous cache (only GroupQueryAttention's "
                            "quantized cache takes them)")
     return io
