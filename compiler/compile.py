@@ -120,6 +120,10 @@ def compile_model(
     with staging_directory(output) as stage:  # also turns SIGINT/SIGTERM/SIGHUP into a clean Interrupted
         torch_model = timed("load", f"loading {source.name}", load_model, source)
         tokenizer = load_tokenizer(source)
+        mismatch = _tokenizer_beyond_vocabulary(tokenizer, torch_model)
+        if mismatch:
+            print(f"fxllm: warning: {mismatch}", file=sys.stderr)
+            report.notes.append(mismatch)
         if draft_spec is not None:
             check_layers(draft_spec, torch_model.config.num_hidden_layers)
             if draft_source is not None:
@@ -305,6 +309,20 @@ def _add_unrolled_draft(draft, k: int, report: CompileReport) -> None:
         return
     data = {key: value for key, value in draft.data.items() if key not in ("kind", "format_version", "files")}
     write_manifest(draft.directory, {**data, "unrolled_draft": {"model_file": path.name, "k": k}})
+
+
+def _tokenizer_beyond_vocabulary(tokenizer, torch_model) -> str | None:
+    """A warning when the tokenizer's ids (added tokens counted) reach past the model's embedding rows: a text that
+    tokenizes to one of them is refused at run time (transformers would index past the table). A vocabulary larger
+    than the tokenizer (rows padded to a multiple of 64, say) is common and fine."""
+    embedding = torch_model.get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    vocabulary = tokenizer.get_vocab()
+    size = max(vocabulary.values(), default=-1) + 1
+    if rows is None or size <= rows:
+        return None
+    return (f"the tokenizer's ids reach {size - 1:,}, past the model's vocabulary of {rows:,}: a text that tokenizes "
+            f"to an id of {rows:,} or more will be refused; is this the model's own tokenizer?")
 
 
 def _audit_for_tensorrt(model_path: Path) -> list[str]:

@@ -25,7 +25,7 @@ from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import RequestOutput, SamplingParams
 from fxllm.runtime.request_validation import (GenerationRequest, check_engine_options, check_kv_pool,
                                               check_load_flags, check_prompt, check_prompt_ids, check_prompt_labels,
-                                              check_prompts, check_request, check_token_ids)
+                                              check_prompts, check_request, check_token_ids, check_tokenized)
 from fxllm.runtime.results import GenerationResult, collector, raise_failure
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
@@ -177,11 +177,12 @@ class Engine:
         return self.core.stats()
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """The prompt's token ids (through the chat template with `chat`), each within the model's vocabulary."""
         prompt = check_prompt(prompt)
         if chat:  # the template writes the special tokens itself
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+            return check_tokenized(self.tokenizer.encode(text, add_special_tokens=False), self.spec.vocab_size)
+        return check_tokenized(self.tokenizer.encode(prompt), self.spec.vocab_size)
 
     # -- public API ---------------------------------------------------------------------------------------------
     # Every argument is checked up front by runtime/request_validation.py (InvalidArgumentError naming a bad one);
@@ -193,9 +194,18 @@ class Engine:
         """Generate for one prompt (returns one result) or a list of prompts of any lengths (returns a list)."""
         texts, single = check_prompts(prompts)
         request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
-        results = self._run([self.encode(t, request.chat) for t in texts], request, texts,
-                            None if single else "prompts")
+        results = self._run([self._encode_row(i, t, request.chat, single) for i, t in enumerate(texts)], request,
+                            texts, None if single else "prompts")
         return results[0] if single else results
+
+    def _encode_row(self, index: int, text: str, chat: bool, single: bool) -> list[int]:
+        """encode() for one of generate()'s prompts; a refusal names the row (`prompts[2]: ...`) in a batch."""
+        try:
+            return self.encode(text, chat)
+        except InvalidArgumentError as exc:
+            if single:
+                raise
+            raise InvalidArgumentError(exc.param, f"prompts[{index}]: {exc}") from None
 
     def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

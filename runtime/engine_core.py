@@ -26,7 +26,7 @@ from fxllm.runtime.logprobs import token_logprobs
 from fxllm.runtime.metrics import EngineCounters, EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams
-from fxllm.runtime.request_validation import check_prompt, check_prompt_length, check_token_ids
+from fxllm.runtime.request_validation import check_prompt, check_prompt_length, check_token_ids, check_tokenized
 from fxllm.runtime.sampler import SampledTokens, sample_rows
 from fxllm.runtime.scheduler import PREFILL, PagedScheduler, ScheduledBatch, StaticBatchScheduler
 from fxllm.runtime.speculator import Speculator
@@ -83,7 +83,7 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError("params", f"params must be a SamplingParams, got {describe(params)}")
         if isinstance(prompt, str):
-            ids = check_token_ids("prompt", self.encode(check_prompt(prompt)), self.vocab_size)
+            ids = check_tokenized(self.encode(check_prompt(prompt)), self.vocab_size)
         else:
             ids = check_token_ids("prompt", prompt, self.vocab_size)
         check_prompt_length(len(ids), params.max_tokens, self.max_context)

@@ -103,6 +103,17 @@ def check_token_ids(name: str, token_ids: Any, vocab_size: int, *, param: str | 
     return ids
 
 
+def check_tokenized(ids: list[int], vocab_size: int, param: str = "prompt") -> list[int]:
+    """Ids the artifact's own tokenizer gave for a text: one outside the model's vocabulary means the tokenizer does
+    not match the model (the compile warns of it), which check_token_ids' message about ids would not say."""
+    bad = next((token for token in ids if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgumentError(param, f"the tokenizer gives this text token id {bad}, outside the model's "
+                                          f"vocabulary (0 to {vocab_size - 1}): the artifact's tokenizer does not "
+                                          "match its model")
+    return ids
+
+
 def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_context: int) -> None:
     """A tokenized prompt is not empty, leaves room for one token in the model's context, and with max_tokens
     generated still fits it."""

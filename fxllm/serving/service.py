@@ -18,7 +18,7 @@ from fxllm.errors import GenerationError
 from fxllm.runtime import checks
 from fxllm.runtime.async_engine import AsyncEngine
 from fxllm.runtime.request import SamplingParams
-from fxllm.runtime.request_validation import check_token_ids
+from fxllm.runtime.request_validation import check_token_ids, check_tokenized
 from fxllm.serving.errors import APIError, bad_request
 from fxllm.serving.logprobs import TokenTexts
 from fxllm.serving.metrics import ServingMetrics
@@ -163,7 +163,8 @@ class OpenAIService:
     def _encode_chat(self, messages: list[dict], variables: dict[str, object]) -> list[int]:
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables)
         text = checks.text("messages", rendered)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return check_tokenized(self.tokenizer.encode(text, add_special_tokens=False), self.core.vocab_size,
+                               param="messages")
 
     # -- admission ----------------------------------------------------------------------------------------------------
 
