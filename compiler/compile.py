@@ -27,6 +27,7 @@ MODEL_FILE = "model.onnx"
 TORCH_MODEL_FILE = "model.pt2"
 DRAFT_DIR = "draft"
 TOKENIZER_DIR = "tokenizer"
+KV_CACHE_CALIBRATION = "shakespeare"  # the int8 KV cache's calibration text unless one is given
 
 
 @dataclass
@@ -61,7 +62,7 @@ def compile_model(
     dtype: str = "float32",
     ort_steps: tuple[str, ...] | list[str] | None = None,
     kv_cache_dtype: str = "auto",
-    kv_cache_calib: str = "shakespeare",
+    kv_cache_calib: str | None = None,
 ) -> CompileReport:
     """Compile MODEL into the artifact directory OUTPUT; arguments are checked before any expensive work, and so is
     OUTPUT: it is replaced only when it is an fxllm artifact holding nothing else (runtime/artifact.py check_output),
@@ -77,7 +78,8 @@ def compile_model(
     tensorrt) runs the finished graph in half precision (the `dtype` pass, appended last). `ort_steps` (target ort)
     names the ONNX Runtime legalization steps to run (compiler/targets/ort; default all, () none: the standard
     form). `kv_cache_dtype` "int8" (target ort, contiguous cache) stores the KV cache as int8 codes with per-channel
-    scales calibrated on `kv_cache_calib` (a text file or a named dataset; compiler/quant/kv_cache.py): a quarter of
+    scales calibrated on `kv_cache_calib` (a text file or a named dataset, default shakespeare; given without the
+    int8 cache it is refused, like --calib without a calibrated method; compiler/quant/kv_cache.py): a quarter of
     the cache's memory, its drift measured on the artifact and recorded in the manifest; "auto" keeps the model's
     dtype."""
     from fxllm import __version__
@@ -101,7 +103,7 @@ def compile_model(
     check_dtype(steps, target, gguf=bool(source.gguf_file))
     if ort_steps is not None:
         _check_ort_steps(ort_steps, target)
-    _check_kv_cache_dtype(kv_cache_dtype, kv_cache_calib, target, provided, ort_steps)
+    kv_cache_calib = _check_kv_cache_dtype(kv_cache_dtype, kv_cache_calib, target, provided, ort_steps)
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
     if draft_source is not None:
@@ -217,16 +219,18 @@ def _check_ort_steps(ort_steps, target: str) -> None:
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: Any, calibration: Any, target: str, provided: set[str],
-                          ort_steps) -> None:
+                          ort_steps) -> str | None:
     """An int8 KV cache is GroupQueryAttention's (target ort) over a contiguous cache: refused otherwise, before
-    any work, like a calibration source that cannot be read."""
+    any work, like a calibration source that cannot be read. → the calibration source (None without the cache)."""
     from fxllm.runtime.contract import KV_CACHE_DTYPES
 
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
         raise PipelineError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                             f"{describe(kv_cache_dtype)}")
     if kv_cache_dtype == "auto":
-        return
+        if calibration is not None:  # else it would be ignored without a word
+            raise PipelineError("--kv-cache-calib applies to --kv-cache-dtype int8 (the KV cache is float here)")
+        return None
     if target != "ort":
         raise PipelineError(f"--kv-cache-dtype int8 is ONNX Runtime's quantized GroupQueryAttention cache: target "
                             f"'ort' only (not '{target}')")
@@ -237,9 +241,12 @@ def _check_kv_cache_dtype(kv_cache_dtype: Any, calibration: Any, target: str, pr
         raise PipelineError("--kv-cache-dtype int8 needs the ort steps group-query-attention and int8-kv-cache")
     from fxllm.compiler.quant.calibration import check_calibration_source
 
+    if calibration is None:
+        calibration = KV_CACHE_CALIBRATION
     if not isinstance(calibration, str):
         raise PipelineError(f"kv_cache_calib must be a text file or a dataset name, got {describe(calibration)}")
     check_calibration_source(calibration, user="kv-cache int8")
+    return calibration
 
 
 def _check_plain_options(passes: Any, keep_layers: Any, requantize: Any, int8_activations: Any) -> None:

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8: keep the KV cache as int8 codes with per-channel scales calibrated at compile (target "
                         "ort, contiguous cache; a quarter of the cache's memory, faster decode over long contexts; "
                         "its drift is printed and recorded). Default auto: the model's dtype")
-    p.add_argument("--kv-cache-calib", default="shakespeare",
+    p.add_argument("--kv-cache-calib",
                    help="calibration text of --kv-cache-dtype int8: a UTF-8 file or 'shakespeare' (the default)")
     p.add_argument("--quant-lm-head", choices=["float", "int8", "int4"], help="quantize the lm_head too "
                                                                              "(default float)")
