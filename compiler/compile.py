@@ -100,6 +100,9 @@ def compile_model(
     provided = {fact for step in steps for fact in step.info.provides}
     if "kv-cache" not in provided:
         raise PipelineError("the pipeline must include 'kv-cache': the runtime decodes through a KV cache")
+    if int8_activations and "quantized" not in provided:  # else the flag would be dropped without a word
+        raise PipelineError("--int8-activations applies to quantized artifacts (--quant METHOD, or a GGUF's own "
+                            "blocks); this pipeline quantizes nothing")
     check_dtype(steps, target, gguf=bool(source.gguf_file))
     if ort_steps is not None:
         _check_ort_steps(ort_steps, target)

@@ -24,7 +24,12 @@ USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROF
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, except that a bad command line raises UsageError (one line, exit status 1) instead of printing the
-    usage and exiting with 2, which this CLI keeps for bugs."""
+    usage and exiting with 2, which this CLI keeps for bugs, and that a flag is never taken for a longer one it
+    begins (`--max-tokens 3` was `--max-tokens-per-step 3` without a word)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
@@ -85,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("generate", help="generate text with a compiled artifact")
     p.add_argument("artifact")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=64,
+                   help="tokens to generate at most (default 64; --max-tokens: the OpenAI API's name)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -267,7 +267,7 @@ def test_manifest_that_is_not_utf8_is_a_user_error(contiguous, tmp_path):
     (["--threads", "-1"], "threads must be >= 1, got -1"),
     (["--max-batch", "0"], "max_batch must be >= 1, got 0"),
     (["--max-tokens-per-step", "0"], "max_tokens_per_step must be >= 1, got 0"),
-    (["--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value: 'abc'"),
+    (["--max-new-tokens", "abc"], "argument --max-new-tokens/--max-tokens: invalid int value: 'abc'"),
     (["--temperature", ""], "argument --temperature: invalid float value: ''"),
     (["--kv-blocks", "4"], "kv_blocks applies to paged artifacts"),
     (["--bogus"], "unrecognized arguments: --bogus"),
@@ -482,7 +482,8 @@ _TOKENIZERS: dict = {}
 @pytest.mark.parametrize("argv, code, stderr", [
     ([b"--prompt", b"\xff\xfe"], 1, b"fxllm: error: prompt is not valid Unicode"),
     ([b"--prompt", b"hi", b"--temperature", b"nan"], 1, b"fxllm: error: temperature must be a finite number"),
-    ([b"--prompt", b"hi", b"--max-new-tokens", b"2.5"], 1, b"fxllm: error: argument --max-new-tokens: invalid int"),
+    ([b"--prompt", b"hi", b"--max-new-tokens", b"2.5"], 1,
+     b"fxllm: error: argument --max-new-tokens/--max-tokens: invalid int"),
     ([b"--prompt", b"hi", b"--max-new-tokens", b"3", b"--json"], 0, b""),
 ])
 def test_console_script_exit_status(contiguous, argv, code, stderr):

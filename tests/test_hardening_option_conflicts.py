@@ -4,6 +4,8 @@ Likewise an empty --served-model-name, which used to fall back to the default na
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fxllm.cli import main
@@ -55,3 +57,25 @@ def test_an_empty_served_model_name_is_refused(capsys, tmp_path, name):
     sending the name meant got 404 model not found; it is a usage error, before the artifact is loaded."""
     message = _one_line_error(capsys, ["serve", str(tmp_path / "no-artifact"), "--served-model-name", name])
     assert "--served-model-name is empty" in message
+
+
+def test_int8_activations_without_quantization_is_refused(capsys, make_tiny_model, tmp_path):
+    """A float32 compile took --int8-activations and wrote an artifact that ignores it (nothing to quantize)."""
+    output = tmp_path / "out"
+    message = _one_line_error(capsys, ["compile", str(make_tiny_model("llama")), "-o", str(output),
+                                       "--int8-activations"])
+    assert "--int8-activations applies to quantized artifacts" in message and not output.exists()
+
+
+@pytest.mark.parametrize("flag", ["--max-new", "--max-tokens-per", "--temp"])
+def test_a_flag_is_never_taken_for_a_longer_one_it_begins(capsys, tmp_path, flag):
+    """argparse completes unambiguous prefixes: `--max-tokens 3` (the OpenAI name) ran as --max-tokens-per-step 3
+    and generated the default 64 tokens. Prefixes are refused now, before the artifact is loaded."""
+    message = _one_line_error(capsys, ["generate", str(tmp_path / "no-artifact"), "--prompt", "hi", flag, "3"])
+    assert f"unrecognized arguments: {flag} 3" in message
+
+
+def test_max_tokens_is_max_new_tokens(capsys, make_tiny_artifact):
+    capsys.readouterr()
+    code = main(["generate", str(make_tiny_artifact("llama")), "--prompt", "Paris is", "--max-tokens", "3", "--json"])
+    assert code == 0 and len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
