@@ -34,6 +34,7 @@ class Scorer:
             self.engine = Engine.load(model, int8_activations=int8_activations)
             self.tokenizer = self.engine.tokenizer
             self.max_context = self.engine.max_context
+            self.vocab_size = self.engine.spec.vocab_size
             self.kind = "artifact"
         else:
             from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source
@@ -42,6 +43,7 @@ class Scorer:
             self.model = load_model(source)
             self.tokenizer = load_tokenizer(source)
             self.max_context = self.model.config.max_position_embeddings
+            self.vocab_size = self.model.get_input_embeddings().num_embeddings
             self.kind = "transformers"
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
@@ -149,6 +151,12 @@ def evaluate(model: str | os.PathLike | Scorer, text_path: str | os.PathLike, ct
         raise EvaluationError(f"'{text_path}' has fewer than 2 tokens; nothing to score")
     if ref is not None and ref.tokenizer.encode(text)[: len(ids)] != ids:
         raise FxllmError("the reference tokenizes the text differently; KL and agreement need identical tokens")
+    for role, which in (("the model", scorer), ("the reference", ref)):
+        vocab_size = getattr(which, "vocab_size", None)  # a Scorer subclass scoring another runtime may not say
+        bad = next((token for token in ids if vocab_size is not None and token >= vocab_size), None)
+        if bad is not None:
+            raise EvaluationError(f"the text tokenizes to id {bad}, outside the vocabulary of {role} '{which.name}' "
+                                  f"(0 to {vocab_size - 1}): its tokenizer does not match it")
 
     nll = ref_nll = kl = 0.0
     agree = predicted = 0

@@ -85,3 +85,17 @@ def test_over_http_a_text_beyond_the_vocabulary_is_a_400(engine):
     assert completion.value.body["param"] == "prompt" and MISMATCH in completion.value.body["message"]
     assert chat.value.body["param"] == "messages" and MISMATCH in chat.value.body["message"]
     assert ids.choices[0].finish_reason == "length"
+
+
+def test_eval_names_the_model_whose_tokenizer_does_not_match(compiled, make_tiny_artifact, tmp_path):
+    """`fxllm eval` scored the first window and failed on `token_ids[0] = 19556 is not a token id` (an artifact) or
+    an IndexError inside torch (a transformers directory); the text is checked against both vocabularies first."""
+    from fxllm.errors import EvaluationError
+    from fxllm.evaluation import evaluate
+
+    text = tmp_path / "text.txt"
+    text.write_text("Hello world, the weather is fine today. " * 4)
+    with pytest.raises(EvaluationError, match="outside the vocabulary of the model .* does not match it"):
+        evaluate(compiled[1], text)
+    with pytest.raises(EvaluationError, match="outside the vocabulary of the reference .* does not match it"):
+        evaluate(make_tiny_artifact("llama"), text, reference=compiled[1])
