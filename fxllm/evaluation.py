@@ -24,7 +24,8 @@ DEFAULT_CTX = 512  # window length when none is given (shortened to a model's sh
 
 class Scorer:
     """Full-window logits from either a compiled artifact (ONNX Runtime; the runtime alone) or a source model
-    (transformers, fp32; needs the compile extra). Both tokenizers have `encode(text)` with special tokens added."""
+    (transformers, fp32; needs the compile extra). Both tokenizers have `encode(text)` with special tokens added;
+    `vocab_size` is how many token ids the model scores (its embedding's rows)."""
 
     def __init__(self, model: str | os.PathLike, int8_activations: bool | None = None):
         self.name = str(model)
