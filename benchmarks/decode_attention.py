@@ -147,11 +147,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.q_heads % args.kv_heads or args.head_dim % 16:
         parser.error("--q-heads must be a multiple of --kv-heads and --head-dim of 16")
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        contexts = []
+    if not contexts or min(contexts) < 1 or args.capacity_factor < 1 or min(args.layers, args.rounds, args.calls) < 1:
+        parser.error("--contexts takes positive integers (e.g. 64,1024); --capacity-factor, --layers, --rounds and "
+                     "--calls at least 1")
     print(f"{args.layers} layers, {args.q_heads} query / {args.kv_heads} KV heads of {args.head_dim}, "
           f"{args.threads} threads, one decode token, median of {args.rounds} x {args.calls} calls")
     print("| context | capacity | GroupQueryAttention ms | standard ops ms | standard / GQA |")
     print("| ---: | ---: | ---: | ---: | ---: |")
-    for context in (int(c) for c in args.contexts.split(",")):
+    for context in contexts:
         capacity = max(context, round(context * args.capacity_factor))
         gqa, standard = measure("gqa", args, context, capacity), measure("standard", args, context, capacity)
         print(f"| {context:,} | {capacity:,} | {gqa:.3f} | {standard:.3f} | {standard / gqa:.2f}x |")
