@@ -139,6 +139,10 @@ def compile_model(
                                     f"{torch_model.config.num_hidden_layers}")
             truncate_layers(torch_model, keep_layers)
         captured = timed("capture", "capturing with torch.export", capture, torch_model)
+        if kv_cache_dtype == "int8":
+            from fxllm.compiler.quant.kv_cache import check_lowers_to_quantized_attention
+
+            check_lowers_to_quantized_attention(captured.program.spec)
         captured.program.tokenizer = tokenizer
         if source.gguf_file:
             captured.program.source_file = source.directory / source.gguf_file

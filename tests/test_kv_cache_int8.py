@@ -87,3 +87,22 @@ def test_a_manifest_mixing_int8_and_float_caches_is_refused(int8_artifact, tmp_p
     write_manifest(copy, {k: v for k, v in data.items() if k not in ("kind", "format_version", "files")})
     with pytest.raises(ArtifactError, match="int8 caches in some layers or against spec.kv_cache_dtype unset"):
         fxllm.load(copy)
+
+
+def test_a_model_whose_attention_does_not_lower_to_the_kernel_is_refused_after_the_capture(tmp_path, tokenizer):
+    """Gemma 2's soft-capped attention lowers to standard ops, not GroupQueryAttention: refused from the captured
+    spec, before the passes, the calibration and the lowering (which refused it last, after all three)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from fxllm.errors import UnsupportedModelError
+    from tests.conftest import TINY_COMMON
+
+    torch.manual_seed(0)
+    config = Gemma2Config(**{**TINY_COMMON, "head_dim": 16, "sliding_window": 8})
+    source, output = tmp_path / "gemma2", tmp_path / "out"
+    AutoModelForCausalLM.from_config(config).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    with pytest.raises(UnsupportedModelError, match=r"does not lower to \(soft-capping\)"):
+        fxllm.compile(source, output, kv_cache_dtype="int8")
+    assert not output.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["gemma2"]

@@ -25,6 +25,24 @@ SAMPLES, WINDOW = 4, 256  # calibration windows of the text, tokens each (fewer:
 SMALLEST = 1e-8  # a channel that is zero over the whole calibration keeps a usable scale
 
 
+def check_lowers_to_quantized_attention(spec) -> None:
+    """The int8 cache is GroupQueryAttention's: a layer with soft-capping or sinks lowers to standard ops instead
+    (compiler/targets/onnx_translations.py), and the kernel takes only head sizes it supports. Called after the
+    capture, so such a model is refused before the passes, the calibration and the lowering; the lowering's own
+    check (int8-kv-cache) stays the last word."""
+    from fxllm.compiler.targets.ort.group_query_attention import kernel_takes_head_dim
+    from fxllm.errors import UnsupportedModelError
+
+    kinds = {"softcap": "soft-capping", "sinks": "attention sinks"}
+    found = [kinds[key] for key in kinds if any(layer.get(key) for layer in spec.layers)]
+    if not kernel_takes_head_dim(spec.head_dim):
+        found.append(f"a head size of {spec.head_dim}")
+    if found:
+        raise UnsupportedModelError(f"--kv-cache-dtype int8 needs every layer's attention as ONNX Runtime's "
+                                    f"GroupQueryAttention, which this model's does not lower to ({', '.join(found)}); "
+                                    "compile without it")
+
+
 def kv_cache_scales(program: Program, calibration: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], str]:
     """Per layer (K scale, V scale), each [kv_heads, head_dim] float32; and what they were calibrated on."""
     from fxllm.compiler.quant.calibration import read_calibration_text
