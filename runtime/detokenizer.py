@@ -32,6 +32,7 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that ended the text
+        self._searched = 0  # characters of text searched for stop strings (its settled part when searched)
         self._settled = ""  # the decode of token_ids[:self._boundaries[-1]], which ends in no open character
         self._boundaries = [0]  # every settled token count so far, ascending: where a window may start
         self._is_fallback_byte = getattr(tokenizer, "is_fallback_byte", None)
@@ -46,27 +47,36 @@ class IncrementalDetokenizer:
                 self._byte_run_start = None
             elif self._byte_run_start is None:
                 self._byte_run_start = len(self.text)
-        text = self._decoded()
-        # a stop may straddle two tokens; the earliest in the text cuts it, whatever the order of the list
-        found = [(at, stop) for stop in self.stop if (at := text.find(stop, max(0, len(self.text) - len(stop)))) != -1]
-        if found:
-            at, stop = min(found, key=lambda item: item[0])
-            text = text[:at]
-            self.stopped, self.stop_string = True, stop
-        self.text = text
-        if self.stopped:
-            return self.finish()
+        self.text = text = self._decoded()
         stable = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
         if self._byte_run_start is not None:
             stable = min(stable, self._byte_run_start)
+        if self._cut_at_stop(stable):
+            return self.finish()
         return self._emit_until(max(self.emitted, stable - self.holdback))
 
     def finish(self) -> str:
         """The rest of the text, including any held-back tail (an open character at the end as the whole decode
-        reads it)."""
-        if self.text.endswith("\ufffd") and not self.stopped:
-            self.text = self.tokenizer.decode(self.token_ids)
+        reads it), cut before a stop string that lies in that tail."""
+        if not self.stopped:
+            if self.text.endswith("\ufffd"):
+                self.text = self.tokenizer.decode(self.token_ids)
+            self._cut_at_stop(len(self.text))
         return self._emit_until(len(self.text))
+
+    def _cut_at_stop(self, end: int) -> bool:
+        """Cut the text before the earliest stop string that lies wholly in text[:end] (its settled part: an open
+        character's placeholder U+FFFD or a byte run that may still change must not match) and was not searched
+        before; a stop may straddle tokens, and the earliest in the text wins whatever the order of the list."""
+        found = [(at, stop) for stop in self.stop
+                 if (at := self.text.find(stop, max(0, self._searched - len(stop) - CLEAN_UP_HOLDBACK), end)) != -1]
+        self._searched = max(self._searched, end)
+        if not found:
+            return False
+        at, stop = min(found, key=lambda item: item[0])
+        self.text = self.text[:at]
+        self.stopped, self.stop_string = True, stop
+        return True
 
     def _decoded(self) -> str:
         """The decode of every token so far: the settled text, plus what the new tokens add to a decode of a window

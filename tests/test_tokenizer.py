@@ -100,6 +100,27 @@ def test_incremental_detokenizer_is_the_whole_decode_at_every_token(pair):
         assert final.finish() == streamed == final.text and final.finish() == "", (name, ids)
 
 
+def test_a_stop_string_matches_only_characters_already_decoded(pair):
+    """A character split over tokens decodes as U+FFFD until its last byte arrives: a stop string holding U+FFFD
+    matches a real one only, never that placeholder (it ended a generation of emoji after one token with no text),
+    in the streamed text and at finish()."""
+    name, ours, _ = pair
+    split = 0  # texts whose decode passed through an open character
+    for text in ("Three: \U0001f389\U0001f389\U0001f389 done", "a \u6c49\u5b57 b \u00e9", "x \ufffd y \U0001f389"):
+        ids = ours.encode(text, add_special_tokens=False)
+        whole = ours.decode(ids)
+        split += any(ours.decode(ids[:count]).endswith("\ufffd") for count in range(1, len(ids)))
+        for stop in (["\ufffd"], ["\U0001f389\ufffd"], ["\u6c49\ufffd", "\ufffd"]):
+            detokenizer = IncrementalDetokenizer(ours, stop)
+            streamed = "".join(detokenizer.add(token) for token in ids if not detokenizer.stopped)
+            streamed += detokenizer.finish()
+            cut = min((whole.find(s) for s in stop if s in whole), default=len(whole))
+            assert streamed == detokenizer.text == whole[:cut], (name, text, stop)
+            assert detokenizer.stopped == (cut < len(whole)), (name, text, stop)
+    if name in BYTE_LEVEL:
+        assert split, name
+
+
 def test_a_long_generation_detokenizes_in_windows(tokenizer_dir):
     """A token's text comes from decoding a few tokens, not the whole text: the decoder sees at most 2 x
     WINDOW_TOKENS + 1 ids a call however long the text grows (each decode of all ids made a generation
