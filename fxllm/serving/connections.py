@@ -122,11 +122,18 @@ class _ConnectionGuard:
                               code="request_timeout"))
 
     def _refuse(self, error: APIError) -> None:
-        """Answer `error` and close; while an earlier (pipelined) request's response is being written, it cannot be
-        answered: the connection closes once that response is done."""
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False
-            return
+        """Answer `error` and close. Bytes that break the body of the request being read (a chunk size that is not
+        hex, a chunk longer than its size) are answered at once, the request's app told its client has gone (it
+        waited for the rest of the body until --body-timeout, then answered 408). While an earlier (pipelined)
+        request's response is being written, or this one's has started, nothing can be answered: the connection
+        closes once that response is done."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started or not cycle.more_body or getattr(self, "pipeline", None):
+                cycle.keep_alive = False
+                return
+            cycle.disconnected = True  # its app's receive() answers http.disconnect, its send() writes nothing
+            cycle.message_event.set()
         self._refused = True
         self.transport.write(raw_response(error))
         # Closed at once, a socket with unread bytes (the rest of a 1 MB head) is reset, and the reset can discard

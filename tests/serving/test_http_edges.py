@@ -190,6 +190,20 @@ def test_bytes_that_are_not_http_are_an_openai_400(edge_server, request_bytes):
     assert httpx.get(f"{edge_server.root}/health", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize("body", [b"ZZ\r\n", b'5\r\n{"mod\r\nZZ\r\n', b"3\r\nabcdef\r\n"])
+def test_a_malformed_chunked_body_is_an_openai_400_at_once(edge_server, body):
+    """A chunk size that is not hex, or a chunk longer than its size, after a valid head: the request waited for the
+    rest of its body until --body-timeout and was answered 408; now the 400 for bytes that are not HTTP, at once."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: fxllm\r\nAuthorization: Bearer " + API_KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    with connect(edge_server) as sock:
+        sock.sendall(head + body)
+        status, headers, error, waited = refused(sock)
+    assert status == 400 and error["message"].startswith("the request is not valid HTTP/1.1"), error
+    assert waited < BODY_TIMEOUT / 2, waited
+    assert httpx.post(f"{edge_server.root}/v1/completions", json=OK, headers=AUTH, timeout=30).status_code == 200
+
+
 def test_a_keep_alive_connection_outlives_the_head_deadline(edge_server):
     """The head deadline runs only while a head is awaited: a request generating for longer than --body-timeout,
     then another on the same connection, are both served."""
