@@ -100,6 +100,8 @@ def serve(options: ServeOptions, **engine_options) -> int:
     uvicorn_config = uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log, lifespan="off",
                                     http=guarded_protocol(options.body_timeout),
                                     timeout_graceful_shutdown=options.drain_timeout + ABORT_GRACE)
+    if options.access_log:  # uvicorn gives its access logger log_level, which without -v (warning) hid every line
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = _draining_server(service, uvicorn_config, options.drain_timeout)
     # uvicorn re-raises the signal that stopped it once it has drained; with this handler in place beforehand, a
     # SIGTERM then ends the process normally (exit 0) instead of killing it.

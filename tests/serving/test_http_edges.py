@@ -50,6 +50,20 @@ def error_of(body: bytes) -> dict:
     return error
 
 
+def test_the_access_log_logs_each_request_without_verbose(serve_artifact, tmp_path):
+    """--access-log logged nothing unless -v raised uvicorn's log level too; its lines go to stdout, as uvicorn's."""
+    import select
+
+    server = ServerProcess(serve_artifact, "--threads", "1", "--access-log", log=tmp_path / "stderr.log")
+    try:
+        assert httpx.get(server.root + "/health?probe", timeout=30).status_code == 200
+        ready, _, _ = select.select([server.proc.stdout], [], [], 10)
+        line = server.proc.stdout.readline() if ready else ""
+    finally:
+        assert server.terminate() == 0, server.log.read_text()
+    assert '"GET /health?probe HTTP/1.1" 200' in line, (line, server.log.read_text())
+
+
 @pytest.mark.parametrize("path, headers", [("/health", {}), ("/metrics", {}), ("/v1/models", AUTH),
                                            (f"/v1/models/{MODEL}", AUTH)])
 def test_head_is_answered_as_get_without_the_body(edge_server, path, headers):
