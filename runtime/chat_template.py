@@ -59,7 +59,8 @@ def render_chat(template: str, messages: Any, *, add_generation_prompt: bool = T
                              documents=_plain(documents), add_generation_prompt=add_generation_prompt,
                              **_plain(variables))
     except RenderTimeout as exc:
-        raise GenerationError(f"{exc} (a loop without end, or an enormous one); the template is refused") from None
+        raise GenerationError(f"{exc} over a conversation of {len(conversation):,} messages (a template loop without "
+                              "end, or an enormous conversation); nothing was generated") from None
     except TemplateRaised as exc:
         raise GenerationError(f"the chat template refused the conversation: {_one_line(exc)}") from exc
     except jinja2.TemplateError as exc:  # an undefined value, a sandbox violation

@@ -65,9 +65,11 @@ def text(name: str, value: Any, *, param: str | None = None) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidArgumentError(param or name, f"{name} is not valid Unicode: a lone surrogate {value[exc.start]!r} "
-                                                  f"at character {exc.start} (on the command line: bytes that are not "
-                                                  "UTF-8)") from None
+        surrogate = value[exc.start]
+        message = f"{name} is not valid Unicode: a lone surrogate {surrogate!r} at character {exc.start}"
+        if 0xDC80 <= ord(surrogate) <= 0xDCFF:  # how Python holds a command line's or a file name's stray bytes
+            message += f" (the byte 0x{ord(surrogate) - 0xDC00:02x}, which is not UTF-8)"
+        raise InvalidArgumentError(param or name, message) from None
     return value
 
 

@@ -119,8 +119,8 @@ class PagedScheduler(_Queues):
             raise InvalidArgumentError(
                 "max_tokens" if prompt_fits else "prompt",
                 f"a request of {prompt_tokens} prompt + {max_tokens} new tokens needs {needed} KV blocks, but the "
-                f"pool has {self.manager.num_blocks} ({self.manager.capacity_tokens} tokens); raise the KV budget "
-                "or ask for fewer tokens")
+                f"pool has {self.manager.num_blocks} ({self.manager.capacity_tokens} tokens): ask for fewer tokens "
+                "(the pool's size is the engine's KV budget)")
 
     def remove(self, request: Request) -> None:
         """The request leaves (finished, aborted, failed): out of the queues, its blocks freed at once."""

@@ -41,7 +41,8 @@ async def create_completion(service: OpenAIService, request: CompletionRequest) 
     service.check_model(request.model)
     check_supported(request)
     n = choices_per_prompt(request.n)
-    service.check_room(prompt_count(request.prompt) * n)  # before tokenizing: a huge list, or a full server
+    # before tokenizing: a huge list, or a full server
+    service.check_room(prompt_count(request.prompt) * n, param="n" if n > 1 else "prompt")
     prompts = await read_prompts(service, request.prompt)
     top = request.logprobs
     choices = []

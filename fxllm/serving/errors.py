@@ -95,8 +95,10 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         context = first.get("ctx") or {}
-        reason = context.get("error") or first.get("msg", "invalid JSON")
-        return APIError(400, f"the request body is not valid JSON: {reason}").response()
+        reason = str(context.get("error") or first.get("msg", "invalid JSON")).removesuffix(" at")
+        where = [part for part in first.get("loc", ()) if isinstance(part, int)]
+        at = f" at character {where[0]}" if where else ""
+        return APIError(400, _one_line(f"the request body is not valid JSON: {reason}{at}")).response()
     if first.get("type") == "model_attributes_type" and not _location(first):
         return not_an_object(request.headers.get("content-type"), first.get("input")).response()
     reported = _most_specific(errors)
@@ -117,10 +119,23 @@ def _location(error: Mapping) -> list[str]:
 
 
 def _most_specific(errors: list[Mapping]) -> Mapping:
-    """The error reaching deepest into the body (the first of those): where a field takes several types, the
-    members the value's type does not fit fail at the field itself ("`content` should be a valid string" for a list
-    of parts), while the member it fits fails at the element at fault, which is what the client has to fix."""
-    return max(errors, key=lambda error: len(_location(error)))
+    """The error reaching deepest into the body, and of those one whose expected type is the value's kind (then the
+    first): where a field takes several types, the members the value's type does not fit fail at the field itself
+    ("`content` should be a valid string" for a list of parts), while the member it fits fails at the element at
+    fault, which is what the client has to fix; `prompt: [1.5]` fails as a string and as an integer at `prompt.0`,
+    and a number was meant as a token id, not as text."""
+    return max(errors, key=lambda error: (len(_location(error)), _expects_its_kind(error)))
+
+
+_KINDS = ((bool, ("bool",)), ((int, float), ("int", "float")), (str, ("string",)), (list, ("list",)),
+          (dict, ("dict", "model")))
+
+
+def _expects_its_kind(error: Mapping) -> bool:
+    """Whether a pydantic error's type (`int_type`, `string_too_long`, ...) is about the JSON kind of its input."""
+    value = error.get("input")
+    prefixes = next((names for kinds, names in _KINDS if isinstance(value, kinds)), ())
+    return str(error.get("type", "")).startswith(prefixes)
 
 
 _JSON_TYPES = ((type(None), "null"), (bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"),

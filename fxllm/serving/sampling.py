@@ -49,8 +49,11 @@ def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
         if request.best_of is not None and request.best_of != (request.n or 1):
             raise APIError(400, "best_of is not supported by fxllm; leave it unset (or equal to n)", param="best_of")
         return
-    if request.tools or request.tool_choice not in (None, "none"):
+    if request.tools:
         raise APIError(400, "tools are not supported by fxllm's server", param="tools")
+    if request.tool_choice not in (None, "none"):
+        raise APIError(400, "tool_choice is not supported by fxllm's server (it serves no tools); leave it unset or "
+                            "'none'", param="tool_choice")
     if request.functions or request.function_call not in (None, "none"):
         param = "functions" if request.functions else "function_call"
         raise APIError(400, f"{param} (the deprecated form of tools) is not supported by fxllm's server", param=param)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from fxllm.errors import GenerationError
@@ -161,6 +161,8 @@ class OpenAIService:
             raise APIError(400, str(exc), param="messages") from None
 
     def _encode_chat(self, messages: list[dict], variables: dict[str, object]) -> list[int]:
+        for where, value in _strings(messages, "messages"):  # named where the client wrote it, not in the render
+            checks.text(where, value, param="messages")
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables)
         text = checks.text("messages", rendered)
         return check_tokenized(self.tokenizer.encode(text, add_special_tokens=False), self.core.vocab_size,
@@ -172,15 +174,15 @@ class OpenAIService:
     def capacity(self) -> int | None:
         return None if self.config.max_queue is None else self.max_batch + self.config.max_queue
 
-    def check_room(self, count: int) -> None:
+    def check_room(self, count: int, param: str = "n") -> None:
         """Before a request's prompt is tokenized or rendered (seconds of CPU for a large one): 400 when it alone
-        asks for more engine requests than the server ever admits at once, 429 while the server has no room for
-        them now (`admit` checks again once the prompt is ready)."""
+        asks for more engine requests than the server ever admits at once (`param`: what the client asked too many
+        of), 429 while the server has no room for them now (`admit` checks again once the prompt is ready)."""
         capacity = self.capacity
         if capacity is not None and count > capacity:
             raise APIError(400, f"this request asks for {count} completions at once; the server runs at most "
                                 f"{capacity} (max_batch {self.max_batch} + max_queue {self.config.max_queue})",
-                           param="n")
+                           param=param)
         self._check_not_busy(count)
 
     def admit(self, count: int) -> None:
@@ -212,3 +214,15 @@ class OpenAIService:
             self.check_choice(choice, fields)
         self.admit(len(choices))
         return GenerationRun(self, choices, request_id)
+
+
+def _strings(value: object, where: str) -> Iterator[tuple[str, str]]:
+    """Every string inside a JSON value, with where it is (`messages.0.content`, as the request's other errors say)."""
+    if isinstance(value, str):
+        yield where, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _strings(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _strings(item, f"{where}.{index}")

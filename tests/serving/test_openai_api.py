@@ -464,12 +464,13 @@ def test_a_generated_special_token_adds_no_character(engine):
 
 def test_a_list_of_more_prompts_than_the_server_admits_is_refused_before_tokenizing(client):
     """The number of choices (prompts × n) is known before any prompt is tokenized: 100,000 one-word prompts are
-    refused at once (they were tokenized one by one first, then built into choices on the event loop)."""
-    for prompt, n in ((["a"] * 100_000, 1), ([[5]] * 40, 2)):
+    refused at once (they were tokenized one by one first, then built into choices on the event loop), naming the
+    prompt when it alone is too many, n when n > 1."""
+    for prompt, n, param in ((["a"] * 100_000, 1, "prompt"), ([[5]] * 40, 2, "n")):
         started = time.perf_counter()
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=MODEL, prompt=prompt, n=n, max_tokens=1)
-        assert refused.value.body["param"] == "n" and f"asks for {len(prompt) * n} completions" in \
+        assert refused.value.body["param"] == param and f"asks for {len(prompt) * n} completions" in \
             refused.value.body["message"], refused.value.body
         print(f"{len(prompt)} prompts × {n} refused in {time.perf_counter() - started:.2f} s")
 

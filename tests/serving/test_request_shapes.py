@@ -23,12 +23,12 @@ def loaded(serve_artifact):
     return fxllm.load(serve_artifact, threads=1)
 
 
-def ask(engine, requests: list[dict]) -> list[httpx.Response]:
+def ask(engine, requests: list[dict], max_queue: int | None = None) -> list[httpx.Response]:
     """Serve `engine` as NAME and send the requests (httpx.Client.request keyword arguments) one after another; a
     last valid completion must succeed (the app keeps serving after every error)."""
 
     async def main() -> list[httpx.Response]:
-        service = OpenAIService(AsyncEngine(engine), ServingConfig((NAME,)))
+        service = OpenAIService(AsyncEngine(engine), ServingConfig((NAME,), max_queue))
         transport = httpx.ASGITransport(app=create_app(lambda: service))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
@@ -75,12 +75,40 @@ def test_a_served_name_with_a_slash_is_retrieved(loaded):
      "nests arrays or objects too deeply"),
     (b'{"model": "org/tiny-v1", "prompt": "x", "seed": ' + b"9" * 5000 + b"}", "application/json", 400,
      "cannot be read as JSON: Exceeds the limit"),
+    (b'{"model": "org/tiny-v1", "prompt": "x\ny"}', "application/json", 400,  # a raw newline inside a string
+     "the request body is not valid JSON: Invalid control character at character 37"),
+    (b"{model: 1}", "application/json", 400, "Expecting property name enclosed in double quotes at character 1"),
 ])
 def test_a_body_that_is_not_a_json_object_says_why(loaded, content, content_type, status, says):
     headers = {"Content-Type": content_type} if content_type else {}
     (response,) = ask(loaded, [{"method": "POST", "url": "/v1/completions", "content": content, "headers": headers}])
     assert response.status_code == status, response.text
     assert says in error_of(response)["message"], response.text
+
+
+def test_a_refusal_names_what_the_client_asked_too_much_or_the_wrong_thing_of(loaded):
+    """Seven prompts on a server that runs six at once are too many prompts, not too large an n; a tool_choice
+    without tools is the tool_choice's fault; a token id of 1.5 "should be a valid integer", not "a valid string"
+    (the first member of the prompt's union); a lone surrogate in a chat message is named where the
+    client wrote it, not at its position in the rendered template."""
+    capacity = loaded.max_batch
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    prompts, n, tool_choice, token, surrogate = ask(loaded, [
+        {"method": "POST", "url": "/v1/completions", "json": {**OK, "prompt": ["x"] * (capacity + 1)}},
+        {"method": "POST", "url": "/v1/completions", "json": {**OK, "n": capacity + 1}},
+        {"method": "POST", "url": "/v1/chat/completions", "json": {**chat, "tool_choice": {"type": "function"}}},
+        {"method": "POST", "url": "/v1/completions", "json": {**OK, "prompt": [1.5]}},
+        {"method": "POST", "url": "/v1/chat/completions", "headers": {"Content-Type": "application/json"},
+         "content": '{"model": "%s", "messages": [{"role": "user", "content": "hi \\ud800"}]}' % NAME},
+    ], max_queue=0)
+    assert (prompts.status_code, error_of(prompts)["param"]) == (400, "prompt"), prompts.text
+    assert (n.status_code, error_of(n)["param"]) == (400, "n"), n.text
+    assert (tool_choice.status_code, error_of(tool_choice)["param"]) == (400, "tool_choice"), tool_choice.text
+    assert (token.status_code, error_of(token)["param"]) == (422, "prompt.0"), token.text
+    assert "Input should be a valid integer" in error_of(token)["message"], token.text
+    error = error_of(surrogate)
+    assert (surrogate.status_code, error["param"]) == (400, "messages"), surrogate.text
+    assert error["message"] == "messages.0.content is not valid Unicode: a lone surrogate '\\ud800' at character 3"
 
 
 @pytest.mark.parametrize("parts, status, param, says", [
