@@ -31,6 +31,7 @@ class DumpWriter:
     def __init__(self, directory: str):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        mark_as_dump(self.directory)
 
     def render(self, program: Program) -> str:
         code = program.graph_module.print_readable(
@@ -81,18 +82,31 @@ class DumpWriter:
 
 
 DUMP_FILE = re.compile(r"^(\d{2,}_[\w.-]+|summary)\.(txt|json)$")  # what DumpWriter writes, and nothing else
+DUMP_MARKER = ".fxllm-dump"  # in every dump directory: what tells a previous dump from the user's look-alike files
+
+
+def mark_as_dump(directory: Path) -> None:
+    marker = directory / DUMP_MARKER
+    if not marker.is_file():
+        marker.write_text("fxllm compile --dump-dir writes here; a dump into this directory replaces its files\n")
 
 
 def clear_previous_dump(directory: Path) -> None:
-    """Make `directory` ready for a new dump: the files of a previous dump go; a directory holding anything else is
-    refused (PipelineError), so a dump never overwrites or mixes with files of the user's."""
-    entries = sorted(directory.iterdir())
+    """Make `directory` ready for a new dump: the files of a previous dump (it holds DUMP_MARKER) go; a directory
+    holding anything else, or files named like a dump's without the marker (the user's summary.txt), is refused
+    (PipelineError), so a dump never overwrites or mixes with files of the user's."""
+    entries = sorted(entry for entry in directory.iterdir() if entry.name != DUMP_MARKER)
     foreign = [entry.name for entry in entries if not (DUMP_FILE.match(entry.name) and entry.is_file())]
     if foreign:
         raise PipelineError(f"--dump-dir '{directory}' holds files that are not an fxllm dump (e.g. '{foreign[0]}'); "
                             "name a new or empty directory, or a previous dump's")
+    if entries and not (directory / DUMP_MARKER).is_file():
+        raise PipelineError(f"--dump-dir '{directory}' holds files named like a dump's (e.g. '{entries[0].name}') "
+                            f"but not the {DUMP_MARKER} file an fxllm dump leaves; name a new or empty directory, or "
+                            "a previous dump's")
     for entry in entries:
         entry.unlink()
+    mark_as_dump(directory)
 
 
 def layer_table(layers: list[dict]) -> str:

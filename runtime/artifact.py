@@ -37,13 +37,19 @@ def check_output(output: str | os.PathLike) -> Path:
     """The resolved output path, or ArtifactError (one line, nothing deleted) when the compiler must not replace it.
     Replaceable: a path that does not exist, an empty directory, or an fxllm artifact whose manifest carries the
     marker "kind": "fxllm-artifact" and which holds no file or directory the manifest does not own (the files it
-    lists, the directories leading to them, and manifest.json itself)."""
+    lists, the directories leading to them, and manifest.json itself). Never a path inside another artifact (a
+    speculative artifact's draft/ folder): its manifest's checksums would no longer hold."""
     if not str(output).strip():
         raise ArtifactError("the output path is empty")
     try:
         path = Path(output).resolve()
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
         raise ArtifactError(f"cannot use output '{output}': {exc}") from None
+    holder = next((parent for parent in path.parents
+                   if (_existing_manifest(parent) or {}).get("kind") == ARTIFACT_KIND), None)
+    if holder is not None:
+        raise ArtifactError(f"output '{path}' is inside the fxllm artifact '{holder}', whose manifest lists its files; "
+                            "choose an output directory outside it")
     if not path.exists():
         return path
     if not path.is_dir():

@@ -142,6 +142,16 @@ def test_the_working_directory_is_not_replaced(artifact_copy, tmp_path, monkeypa
     assert check_output(output) == output.resolve()
 
 
+@pytest.mark.parametrize("inside", ["draft", "a/b"])
+def test_an_output_inside_another_artifact_is_refused(artifact_copy, inside):
+    """Compiling into a speculative artifact's draft/ folder replaced files the outer manifest lists: the outer
+    artifact then failed its checksums."""
+    before = snapshot(artifact_copy)
+    with pytest.raises(ArtifactError, match=f"is inside the fxllm artifact '{artifact_copy}', whose manifest"):
+        check_output(artifact_copy / inside)
+    assert snapshot(artifact_copy) == before
+
+
 def test_marker_is_written_and_an_owned_artifact_is_replaced(artifact_copy):
     """write_manifest marks the artifact; a marked artifact holding only its own files is replaced whole."""
     assert json.loads((artifact_copy / MANIFEST).read_text())["kind"] == ARTIFACT_KIND
@@ -244,6 +254,18 @@ def test_a_dump_directory_with_files_of_the_users_is_refused(capsys, tmp_path, b
     code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(tmp_path / "out"), "--dump-dir", str(dumps))
     assert_one_line_error(code, err, "holds files that are not an fxllm dump (e.g. 'todo.md')")
     assert (dumps / "summary.txt").read_text() == "MY NOTES" and not (tmp_path / "out").exists()
+
+
+def test_files_named_like_a_dump_s_are_not_a_dump(capsys, tmp_path, broken_model):
+    """A directory holding only the user's summary.txt and 01_notes.txt (names a dump writes) was taken for a
+    previous dump and emptied; a dump is known by the marker it leaves."""
+    dumps = tmp_path / "notes"
+    dumps.mkdir()
+    (dumps / "summary.txt").write_text("MY NOTES")
+    (dumps / "01_notes.txt").write_text("keep")
+    code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(tmp_path / "out"), "--dump-dir", str(dumps))
+    assert_one_line_error(code, err, "holds files named like a dump's (e.g. '01_notes.txt') but not the .fxllm-dump")
+    assert snapshot(dumps) == {"01_notes.txt": b"keep", "summary.txt": b"MY NOTES"}
 
 
 def test_a_previous_dump_is_replaced_whole(make_tiny_model, tmp_path):
