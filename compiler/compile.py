@@ -219,6 +219,8 @@ def _check_ort_steps(ort_steps, target: str) -> None:
 
     if target != "ort":
         raise PipelineError(f"ort_steps applies to target 'ort' only (not '{target}')")
+    if not isinstance(ort_steps, (list, tuple)) or not all(isinstance(step, str) for step in ort_steps):
+        raise PipelineError(f"ort_steps must be a list of step names (strings), got {describe(ort_steps)}")
     unknown = sorted(set(ort_steps) - set(STEP_NAMES))
     if unknown:
         raise PipelineError(f"unknown ort legalization step(s) {', '.join(unknown)} (available: "

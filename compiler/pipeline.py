@@ -28,9 +28,9 @@ def parse_pipeline(text: str | list[str] | tuple[str, ...] | None) -> list[tuple
     if text is None:
         return [(name, {}) for name in DEFAULT_PIPELINE]
     items = text.split(",") if isinstance(text, str) else list(text)
-    odd = next((item for item in items if not isinstance(item, str)), None)
-    if odd is not None:
-        raise PipelineError(f"passes must be pass names (strings), got {type(odd).__name__} {odd!r}")
+    odd = [item for item in items if not isinstance(item, str)]
+    if odd:
+        raise PipelineError(f"passes must be pass names (strings), got {type(odd[0]).__name__} {odd[0]!r}")
     steps = []
     for item in (i.strip() for i in items):
         if not item:

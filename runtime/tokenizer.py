@@ -52,7 +52,8 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; ids outside the vocabulary decode to nothing."""
-        text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [i for i in map(int, ids) if 0 <= i < 2 ** 32]  # past u32 the tokenizers binding raised OverflowError
+        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self.clean_up_spaces else text
 
     def id_to_token(self, token_id: int) -> str | None:

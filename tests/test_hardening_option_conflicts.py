@@ -79,3 +79,27 @@ def test_max_tokens_is_max_new_tokens(capsys, make_tiny_artifact):
     capsys.readouterr()
     code = main(["generate", str(make_tiny_artifact("llama")), "--prompt", "Paris is", "--max-tokens", "3", "--json"])
     assert code == 0 and len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"passes": ("cleanup", None)}, "passes must be pass names (strings), got NoneType None"),  # was AttributeError
+    ({"ort_steps": [5]}, "ort_steps must be a list of step names (strings), got list [5]"),  # was a TypeError after checks
+    ({"ort_steps": "group-query-attention"}, "ort_steps must be a list of step names"),  # was split into letters
+])
+def test_pipeline_arguments_of_the_wrong_type_are_pipeline_errors(make_tiny_model, tmp_path, options, says):
+    import re
+
+    import fxllm
+
+    with pytest.raises(PipelineError, match=re.escape(says)):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ids_no_tokenizer_holds_decode_to_nothing(tokenizer_dir):
+    """decode([-1]) and decode([10**12]) raised the tokenizers binding's OverflowError."""
+    from fxllm.runtime.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    assert tokenizer.decode([-1, *ids, 10 ** 12, 2 ** 32]) == tokenizer.decode(ids) == "Hello world"
