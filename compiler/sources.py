@@ -83,8 +83,12 @@ def default_model_path() -> Path:
 
 
 def resolve_source(model: str | os.PathLike) -> ModelSource:
-    """Turn a user's MODEL argument into a ModelSource, or raise a ModelSourceError that says what is wrong."""
-    if str(model) == DEFAULT_MODEL:
+    """Turn a user's MODEL argument into a ModelSource, or raise a ModelSourceError that says what is wrong. A local
+    directory holding a model is taken before the built-in of the same name, as transformers takes a local directory
+    before a Hub id (one that holds none, e.g. an artifact compiled to `-o smollm2-135m`, is not)."""
+    local = Path(model).expanduser()
+    if str(model) == DEFAULT_MODEL and not (local.is_dir() and ((local / "config.json").is_file()
+                                                              or any(local.glob("*.gguf")))):
         path = default_model_path()
         return ModelSource(DEFAULT_MODEL, path.parent, path.name)
     path = Path(model).expanduser()

@@ -48,6 +48,22 @@ def test_errors_name_the_problem(tmp_path):
         source_architecture(resolve_source(tmp_path / "a.gguf"))
 
 
+def test_a_local_model_directory_named_like_the_built_in_is_taken(make_tiny_model, tmp_path, monkeypatch):
+    """As transformers takes a local directory before a Hub id: a model directory called smollm2-135m in the working
+    directory was silently replaced by the packaged GGUF. A directory holding no model (an artifact compiled to
+    `-o smollm2-135m`) still leaves the name to the built-in."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(make_tiny_model("llama"), tmp_path / DEFAULT_MODEL)
+    source = resolve_source(DEFAULT_MODEL)
+    assert source.directory.resolve() == (tmp_path / DEFAULT_MODEL) and source.gguf_file is None
+    shutil.rmtree(tmp_path / DEFAULT_MODEL)
+    (tmp_path / DEFAULT_MODEL).mkdir()
+    (tmp_path / DEFAULT_MODEL / "manifest.json").write_text("{}")
+    assert resolve_source(DEFAULT_MODEL).gguf_file == DEFAULT_MODEL_FILE
+
+
 def test_missing_default_package_says_how_to_install(monkeypatch):
     import importlib.util
 
