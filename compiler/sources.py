@@ -111,6 +111,17 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
     raise ModelSourceError(f"'{model}' holds no model: expected config.json (Hugging Face format) or a .gguf file")
 
 
+def _load_failure(exc: Exception) -> str:
+    """Why transformers could not build the model, in one line: a config value it has no entry for surfaces as a
+    bare KeyError ('bogus' for hidden_act "bogus", or a rope_type), a wrongly typed one as a TypeError inside torch."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, KeyError):
+        return f"the config names {text}, which this transformers does not know (a hidden_act, rope_type or the like)"
+    if isinstance(exc, TypeError):
+        return f"a config value has the wrong type ({text})"
+    return text
+
+
 def _gguf_path(source: ModelSource) -> Path:
     return source.directory / source.gguf_file
 
@@ -524,7 +535,7 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
             model = load("eager")  # models without an sdpa path (Gemma 2, GPT-OSS); capture replaces it anyway
     except Exception as exc:
         where = _gguf_path(source) if source.gguf_file else source.directory
-        raise ModelSourceError(f"cannot load model weights from '{where}': {exc}") from exc
+        raise ModelSourceError(f"cannot load model weights from '{where}': {_load_failure(exc)}") from exc
     model, info = model
     _check_loaded(source, info)
     _check_no_extra_blocks(source, info, model.state_dict().keys())

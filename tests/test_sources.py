@@ -293,3 +293,22 @@ def test_a_truncated_gguf_is_named_as_such_without_allocating(tiny_hf, tmp_path,
                                                r"count, length or offset in its header runs past its end\)"):
         check_supported(resolve_source(path))
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000  # KiB
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"hidden_act": "bogus"}, "the config names 'bogus', which this transformers does not know"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "abc"}}, "a config value has the wrong type"),
+])
+def test_a_config_value_transformers_cannot_build_is_named(make_tiny_model, tmp_path, change, says):
+    """transformers' bare KeyError ('bogus') or a TypeError inside torch was the whole message."""
+    import json
+    import shutil
+
+    from fxllm.compiler.sources import load_model
+
+    directory = tmp_path / "model"
+    shutil.copytree(make_tiny_model("llama"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ModelSourceError, match=f"cannot load model weights from '.*model': {says}"):
+        load_model(resolve_source(directory))
