@@ -11,7 +11,8 @@ from fxllm.errors import GenerationError
 from fxllm.runtime.contract import PAGED, cache_input, cache_output
 
 DEFAULT_KV_BUDGET = 512 * 2**20  # the pool of a paged artifact when neither a budget nor a block count is given
-UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+         "TIB": 2**40}
 
 
 def parse_bytes(value: int | str) -> int:
@@ -19,8 +20,11 @@ def parse_bytes(value: int | str) -> int:
     if isinstance(value, int):
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-    if not match or match.group(2).upper() not in UNITS:
+    if not match:
         raise GenerationError(f"cannot read '{value}' as a memory size (examples: 256MB, 1GiB, 4096)")
+    if match.group(2).upper() not in UNITS:
+        raise GenerationError(f"cannot read '{value}' as a memory size: unknown unit '{match.group(2)}' (B, KB, MB, "
+                              "GB, TB, KiB, MiB, GiB, TiB)")
     return int(float(match.group(1)) * UNITS[match.group(2).upper()])
 
 

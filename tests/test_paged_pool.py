@@ -44,3 +44,13 @@ def test_new_kv_land_in_their_slots(slots, staged):
     want = _expected(pool._pools, outputs, slots)
     pool.write(outputs, slots)
     np.testing.assert_array_equal(pool._pools, want)
+
+
+def test_memory_sizes_take_terabytes_and_name_an_unknown_unit():
+    """'1TB' was 'cannot read as a memory size' while '100GB' was read."""
+    from fxllm.errors import GenerationError
+    from fxllm.runtime.paged_cache import parse_bytes
+
+    assert (parse_bytes("1TB"), parse_bytes("2TiB"), parse_bytes("1.5GiB")) == (10 ** 12, 2 ** 41, 3 * 2 ** 29)
+    with pytest.raises(GenerationError, match="unknown unit 'PB'"):
+        parse_bytes("1PB")
