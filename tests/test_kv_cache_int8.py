@@ -63,6 +63,7 @@ def test_the_runtime_keeps_int8_buffers_and_generates_like_the_float_cache(int8_
     ({"kv_cache_dtype": "int8", "ort_steps": ["group-query-attention"]}, "needs the ort steps"),
     ({"kv_cache_dtype": "int8", "kv_cache_calib": "no-such-file.txt"}, "kv-cache int8: the calibration text "
                                                                        "'no-such-file.txt' does not exist"),
+    ({"kv_cache_dtype": "int8", "kv_cache_calib": ""}, "the calibration text path is empty"),  # "'' is a directory"
     # a calibration text without the int8 cache was ignored without a word
     ({"kv_cache_calib": "shakespeare"}, "--kv-cache-calib applies to --kv-cache-dtype int8"),
 ])

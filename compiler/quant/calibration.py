@@ -47,6 +47,9 @@ def check_calibration_source(path: str, user: str = "quantize") -> None:
 
     if path in dataset_names() and not Path(path).exists():
         return
+    if not str(path).strip():  # Path("") is the working directory: "'' is a directory"
+        raise PipelineError(f"{user}: the calibration text path is empty (give a UTF-8 text file or one of "
+                            f"{', '.join(dataset_names())})")
     file = Path(path)
     if not file.is_file() or not os.access(file, os.R_OK):
         problem = "is a directory" if file.is_dir() else "is not readable" if file.exists() else "does not exist"
