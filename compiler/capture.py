@@ -22,7 +22,7 @@ from fxllm.compiler.patterns import call_arguments, match_repeat_kv
 from fxllm.compiler.program import Program
 from fxllm.compiler.targets.op_support import first_unsupported_node
 from fxllm.runtime.contract import INPUT_IDS, LOGITS, POSITION_IDS, ModelSpec, TensorSig
-from fxllm.errors import UnsupportedModelError
+from fxllm.errors import ModelSourceError, UnsupportedModelError
 
 ATTN_IMPLEMENTATION = "fxllm"
 SAMPLE_BATCH, SAMPLE_TOKENS = 2, 8
@@ -161,13 +161,13 @@ def _fixed_rope_type(module: torch.nn.Module, rope_type: str, context: int | Non
         "positions: its frequencies depend on the longest position of each call, which fxllm cannot express")
 
 
-def spec_from_config(config, architecture: str, kv_heads: int | None = None) -> ModelSpec:
+def spec_from_config(config, architecture: str, kv_heads: int | None = None, generation_config=None) -> ModelSpec:
     """The model spec from the config; `kv_heads` as the captured attention reads them (configs of MHA models
-    often have no KV-head field, and some state a count the attention does not use)."""
+    often have no KV-head field, and some state a count the attention does not use); `generation_config`: the
+    checkpoint's generation_config.json, whose end ids end a generation too (special_token_ids)."""
     config = text_config_of(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    eos = config.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    bos, eos_ids, pad = special_token_ids(config, generation_config, architecture)
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not max_positions:
         raise UnsupportedModelError(f"{architecture}: the config gives no context length (max_position_embeddings)")
@@ -186,10 +186,35 @@ def spec_from_config(config, architecture: str, kv_heads: int | None = None) -> 
         max_positions=max_positions,
         rope=rope,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        bos_token_id=getattr(config, "bos_token_id", None),  # (CodeGen's config has no pad_token_id)
+        bos_token_id=bos,
         eos_token_ids=eos_ids,
-        pad_token_id=getattr(config, "pad_token_id", None),
+        pad_token_id=pad,
     )
+
+
+def special_token_ids(config, generation_config, architecture: str) -> tuple[int | None, list[int], int | None]:
+    """(bos, end ids, pad) of a checkpoint. The end ids are the config's and then its generation_config.json's, each
+    once: an instruct model's end of turn is often only in the latter (Gemma 2's <end_of_turn>, some Llama 3
+    snapshots' <|eot_id|>), and transformers' generate stops on it. A pad id outside the vocabulary (old LLaMA
+    conversions say -1) means none; a bos or end id outside it is a ModelSourceError, since no artifact naming it
+    could be loaded."""
+    vocab = config.vocab_size
+
+    def ids(value, where: str) -> list[int]:
+        listed = list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+        for token in listed:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ModelSourceError(f"{architecture}: {where} {token!r} is not a token id of the model's "
+                                       f"vocabulary (0 to {vocab - 1}); correct it in the checkpoint")
+        return listed
+
+    eos = ids(config.eos_token_id, "the config's eos_token_id")
+    if generation_config is not None:
+        eos += ids(getattr(generation_config, "eos_token_id", None), "generation_config.json's eos_token_id")
+    bos = getattr(config, "bos_token_id", None)
+    pad = getattr(config, "pad_token_id", None)  # (CodeGen's config has none)
+    pad = pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab else None
+    return (ids(bos, "the config's bos_token_id")[0] if bos is not None else None), list(dict.fromkeys(eos)), pad
 
 
 class LogitsForward(torch.nn.Module):
@@ -252,7 +277,7 @@ def capture(model: torch.nn.Module) -> Capture:
             f"{architecture}: op {unsupported.target} (node '{unsupported.name}') is not understood by any pass or "
             "lowering"
         )
-    spec = spec_from_config(model.config, architecture, kv_heads.pop())
+    spec = spec_from_config(model.config, architecture, kv_heads.pop(), getattr(model, "generation_config", None))
     spec.sliding_windows = [facts["window"] for facts in attention] if any(f["window"] for f in attention) else []
     for facts, module in zip(attention, _attention_modules(model)):
         facts["qk_norm"] = any(hasattr(module, name) for name in ("q_norm", "k_norm", "q_layernorm"))

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from fxllm.compiler.capture import capture, sample_inputs
 from fxllm.compiler.interface import run_sequence
 from fxllm.compiler.sources import load_model, resolve_source
+from fxllm.errors import ModelSourceError
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
@@ -98,3 +99,48 @@ def test_a_config_without_special_token_fields_gives_a_spec():
     assert not hasattr(config, "pad_token_id")
     spec = spec_from_config(config, "CodeGenForCausalLM")
     assert (spec.pad_token_id, spec.bos_token_id, spec.eos_token_ids) == (None, 1, [2])
+
+
+def test_special_token_ids_outside_the_vocabulary():
+    """A pad id of -1 (old LLaMA conversions) means none; a bos or end id outside the vocabulary is refused at the
+    capture (the compile wrote an artifact no command could load: 'names token id -1, outside the vocabulary')."""
+    from transformers import GenerationConfig, LlamaConfig
+
+    from fxllm.compiler.capture import spec_from_config
+    from tests.conftest import TINY_COMMON
+
+    spec = spec_from_config(LlamaConfig(**{**TINY_COMMON, "pad_token_id": -1}), "LlamaForCausalLM")
+    assert (spec.pad_token_id, spec.bos_token_id, spec.eos_token_ids) == (None, 1, [2])
+    for field, value, says in (("eos_token_id", 1_000_000, "the config's eos_token_id 1000000"),
+                               ("eos_token_id", [2, -1], "the config's eos_token_id -1"),
+                               ("bos_token_id", 49152, "the config's bos_token_id 49152")):
+        with pytest.raises(ModelSourceError, match=f"{says} is not a token id of the model's vocabulary "
+                                                   r"\(0 to 49151\)"):
+            spec_from_config(LlamaConfig(**{**TINY_COMMON, field: value}), "LlamaForCausalLM")
+    with pytest.raises(ModelSourceError, match="generation_config.json's eos_token_id 70000"):
+        spec_from_config(LlamaConfig(**TINY_COMMON), "LlamaForCausalLM", generation_config=GenerationConfig(
+            eos_token_id=[2, 70000]))
+
+
+def test_generation_config_end_ids_end_a_generation(make_tiny_model, tmp_path):
+    """An end id only in generation_config.json (an instruct model's end of turn) ends fxllm's generation where it
+    ends transformers' (fxllm read only the config's and generated past it)."""
+    import shutil
+
+    import fxllm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    source = tmp_path / "model"
+    shutil.copytree(make_tiny_model("llama"), source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    prompt = tokenizer("Hello there", return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(source)
+    free = model.generate(prompt, max_new_tokens=6, do_sample=False)[0, prompt.shape[1]:].tolist()
+    end = next(token for token in free[1:] if token != 2)
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, end], pad_token_id=2).save_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert expected[-1] == end and len(expected) < len(free)
+    fxllm.compile(source, tmp_path / "artifact")
+    result = fxllm.load(tmp_path / "artifact").generate_ids([prompt[0].tolist()], max_new_tokens=6)[0]
+    assert (result.token_ids, result.finish_reason) == (expected, "eos")
