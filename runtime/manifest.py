@@ -81,6 +81,8 @@ def _not_json(name: str):
 
 def load_manifest(directory: str | os.PathLike, verify: bool = True) -> Manifest:
     """Read and validate DIRECTORY/manifest.json; with `verify`, also checksum every file it lists."""
+    if not str(directory).strip():  # Path("") is the working directory, which may well be an artifact
+        raise ArtifactError("the artifact path is empty")
     directory = Path(directory)
     path = directory / MANIFEST_FILE
     try:  # a name too long, a directory without search permission: OSError from the stat itself

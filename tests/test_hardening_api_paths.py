@@ -29,6 +29,14 @@ def test_load_of_a_path_the_system_cannot_look_up_is_an_artifact_error(tmp_path)
         fxllm.load(tmp_path / ("a" * 5000))
 
 
+def test_load_of_an_empty_path_is_not_the_working_directory(make_tiny_artifact, monkeypatch):
+    """fxllm.load("") (and `fxllm inspect ""`) loaded the working directory, an artifact when run from inside one."""
+    monkeypatch.chdir(make_tiny_artifact("llama"))
+    for path in ("", " "):
+        with pytest.raises(ArtifactError, match="the artifact path is empty"):
+            fxllm.load(path)
+
+
 @pytest.mark.parametrize("model", NOT_PATHS)
 def test_compile_of_a_model_that_is_not_a_path_is_a_model_source_error(model, tmp_path):
     with pytest.raises(ModelSourceError, match="model must be a path"):
