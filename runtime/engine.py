@@ -104,7 +104,7 @@ class Engine:
         check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
         check_load_flags(backend, verify, prefix_caching, spin, torch_compile, int8_activations, unrolled_draft,
                          providers, device)
-        manifest = load_manifest(Path(path), verify=verify)
+        manifest = load_manifest(path, verify=verify)
         for name, value in (("kv_blocks", kv_blocks), ("kv_cache_memory", kv_cache_memory)):
             if value is not None and not manifest.io.paged:  # refused, not ignored: the user meant to size a pool
                 raise InvalidArgumentError(name, f"{name} applies to paged artifacts; '{path}' has a contiguous KV "
