@@ -2,7 +2,9 @@
 choices per prompt, choice `prompt_index * n + i`, as one JSON body or as server-sent events.
 
 `echo` puts the prompt in front of each choice's text (with `logprobs`, the prompt tokens' logprobs too; the first
-prompt token has none). `usage` counts each prompt once and every choice's generated tokens.
+prompt token has none). `max_tokens: 0` with `echo` scores the prompt without generating (the legacy API's way,
+which lm-evaluation-harness uses for log-likelihoods): the engine samples the one token a prefill gives, and the
+response leaves it out. `usage` counts each prompt once and every choice's generated tokens.
 """
 
 from __future__ import annotations
@@ -43,11 +45,16 @@ async def create_completion(service: OpenAIService, request: CompletionRequest) 
     n = choices_per_prompt(request.n)
     # before tokenizing: a huge list, or a full server
     service.check_room(prompt_count(request.prompt) * n, param="n" if n > 1 else "prompt")
+    scoring = request.max_tokens == 0
+    if scoring and not request.echo:
+        raise APIError(400, "max_tokens 0 generates nothing; with echo (and logprobs) it returns the prompt and its "
+                            "logprobs, which scores a prompt", param="max_tokens")
     prompts = await read_prompts(service, request.prompt)
     top = request.logprobs
     choices = []
     for p, prompt in enumerate(prompts):
-        limit = max_new_tokens(request.max_tokens, len(prompt.token_ids), service.max_sequence_tokens)
+        limit = 1 if scoring else max_new_tokens(request.max_tokens, len(prompt.token_ids),
+                                                   service.max_sequence_tokens)
         params = sampling_params(request, n, limit, logprobs=top, prompt_logprobs=top if request.echo else None)
         choices += [Choice(p * n + i, prompt.token_ids, params[i]) for i in range(n)]
     writer = CompletionWriter(service, request, prompts, n, f"cmpl-{uuid.uuid4().hex}")
@@ -88,11 +95,12 @@ class CompletionWriter:
         self.id, self.created = response_id, int(time.time())
         self.texts: TokenTexts = service.token_texts
         self.states = [_ChoiceState() for _ in range(len(prompts) * n)]
+        self.scoring = request.max_tokens == 0  # echo only: the one token generated is left out
 
     def add(self, index: int, output) -> tuple[str, CompletionLogprobs | None]:
         """Record one output of choice `index`; returns its new text and logprobs."""
         state = self.states[index]
-        text, logprobs = output.text_delta, None
+        text, logprobs = ("" if self.scoring else output.text_delta), None
         if not state.started:
             state.started = True
             if self.request.echo:
@@ -106,7 +114,7 @@ class CompletionWriter:
                     rest = completion_logprobs(self.texts, output.prompt_logprobs[1:], in_prompt, generated=False)
                     logprobs = extend(first, rest)
                 state.offsets = TextOffsets(len(prompt.text))
-        if output.logprobs is not None:
+        if output.logprobs is not None and not self.scoring:
             generated = completion_logprobs(self.texts, output.logprobs, state.offsets)
             logprobs = generated if logprobs is None else extend(logprobs, generated)
         state.text.append(text)
@@ -114,6 +122,8 @@ class CompletionWriter:
             extend(state.logprobs, logprobs)
         if output.finished:
             state.finish_reason, state.output_tokens = output.finish_reason, output.num_output_tokens
+            if self.scoring:
+                state.finish_reason, state.output_tokens = "length", 0
         return text, logprobs
 
     def usage(self) -> Usage:
@@ -136,7 +146,7 @@ class CompletionWriter:
             if text or logprobs is not None or output.finished:
                 choice = {"index": index, "text": text,
                           "logprobs": None if logprobs is None else logprobs.model_dump(),
-                          "finish_reason": output.finish_reason if output.finished else None}
+                          "finish_reason": self.states[index].finish_reason if output.finished else None}
                 yield event(self._chunk([choice], include_usage))
         if include_usage:
             yield event({**self._chunk([], False), "usage": self.usage().model_dump()})

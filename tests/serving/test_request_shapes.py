@@ -5,6 +5,7 @@ process (httpx's ASGI transport) under a served name with a slash, as Hugging Fa
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -302,3 +303,28 @@ def test_a_full_server_refuses_before_tokenizing(loaded):
     statuses, prepared_while_full, prepared = asyncio.run(main())
     assert statuses == [429, 429, 200, 200]
     assert (prepared_while_full, prepared) == (0, 2)
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt(loaded):
+    """The legacy API's way to score a prompt (lm-evaluation-harness' log-likelihoods): the prompt's text and
+    logprobs, nothing generated, finish_reason "length" and no completion tokens; the same prompt logprobs as with a
+    generated token. Without echo it is a 400 naming max_tokens."""
+    score = {"model": NAME, "prompt": "The cat sat on the mat", "echo": True, "logprobs": 1}
+    scored, streamed, generated, refused = ask(loaded, [
+        {"method": "POST", "url": "/v1/completions", "json": {**score, "max_tokens": 0}},
+        {"method": "POST", "url": "/v1/completions", "json": {**score, "max_tokens": 0, "stream": True}},
+        {"method": "POST", "url": "/v1/completions", "json": {**score, "max_tokens": 1, "temperature": 0}},
+        {"method": "POST", "url": "/v1/completions", "json": {**OK, "max_tokens": 0}},
+    ])
+    choice, usage = scored.json()["choices"][0], scored.json()["usage"]
+    assert (choice["text"], choice["finish_reason"]) == (score["prompt"], "length"), scored.text
+    assert usage["completion_tokens"] == 0 and len(choice["logprobs"]["tokens"]) == usage["prompt_tokens"]
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    with_token = generated.json()["choices"][0]["logprobs"]
+    prompt_part = {key: values[:usage["prompt_tokens"]] for key, values in with_token.items()}
+    assert choice["logprobs"] == prompt_part
+    chunks = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"]) == score["prompt"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert (refused.status_code, error_of(refused)["param"]) == (400, "max_tokens"), refused.text
