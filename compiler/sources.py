@@ -316,6 +316,25 @@ def _check_gguf_weight_count(source: ModelSource, architecture: str) -> None:
                                "bit); the sizes are corrupt")
 
 
+def _check_gguf_block_count(source: ModelSource, architecture: str) -> None:
+    """The file's blocks (its `blk.N.*` tensors) are the header's block_count: transformers maps the tensors of the
+    header's blocks only and drops the others without a word, so a file holding more compiled as a cut of the model
+    (a header of fewer blocks than the file is refused for its missing weights when it loads)."""
+    reader, path = _gguf_reader(source), _gguf_path(source)
+    field = reader.fields.get(f"{architecture}.block_count")
+    if field is None:
+        return
+    declared = _gguf_integers(field)[0]
+    blocks = {int(part) for tensor in reader.tensors
+              if (parts := str(tensor.name).split("."))[0] == "blk" and len(parts) > 1
+              for part in parts[1:2] if part.isdigit()}
+    beyond = sorted(block for block in blocks if block >= declared)
+    if beyond:
+        raise ModelSourceError(f"'{path}' holds tensors of block {beyond[0]} but its header's "
+                               f"{architecture}.block_count is {declared}: the file is a larger model than its header "
+                               "describes")
+
+
 def _check_gguf_tensor_layout(source: ModelSource) -> None:
     """Each tensor's data starts on the file's alignment and no two tensors share bytes. gguf-py checks neither:
     a misaligned tensor read shifted blocks (NaN weights), and two tensors at one offset compiled, the second a copy
@@ -349,6 +368,7 @@ def check_supported(source: ModelSource) -> None:
         _check_gguf_numbers(source, architecture.removeprefix("gguf:"))
         _check_gguf_context(source, architecture.removeprefix("gguf:"))
         _check_gguf_tensor_layout(source)
+        _check_gguf_block_count(source, architecture.removeprefix("gguf:"))
         return
     _check_config_sizes(_read_config(source), source.directory / "config.json")
     from transformers import AutoConfig

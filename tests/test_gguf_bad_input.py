@@ -117,3 +117,15 @@ def test_compile_refuses_a_nan_rope_base_in_one_line(tiny_hf, tmp_path, capfd, m
                       overrides={"llama.rope.freq_base": Typed(math.nan, GGUFValueType.FLOAT32)})
     line = compile_error(path, tmp_path / "artifact", capfd)
     assert "m.gguf': llama.rope.freq_base must be a positive finite number, got nan (FLOAT32)" in line, line
+
+
+def test_a_file_holding_more_blocks_than_its_header_is_refused(tiny_hf, tmp_path):
+    """block_count 1 over a file of 2 blocks compiled as a 1-layer cut of the model without a word (transformers maps
+    the header's blocks only); the same from a config.json was already refused."""
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(tiny_hf, tmp_path / "m.gguf", "Q8_0", overrides={"llama.block_count": 1})
+    with pytest.raises(ModelSourceError, match=r"m\.gguf' holds tensors of block 1 but its header's "
+                                               r"llama\.block_count is 1"):
+        check_supported(resolve_source(path))
+    check_supported(resolve_source(write_gguf(tiny_hf, tmp_path / "ok.gguf", "Q8_0")))  # the file as written: fine
