@@ -42,6 +42,8 @@ def parse_draft(text: str, k: int) -> DraftSpec:
                             f"{text!r} and {type(k).__name__} {k!r}")
     if not 1 <= k <= MAX_SPEC_K:
         raise PipelineError(f"--spec-k must be between 1 and {MAX_SPEC_K}, got {k}")
+    if not text.strip():  # as a path, '' would be the working directory
+        raise PipelineError("--draft is empty; give self-int4, self-layers:N, ngram or a draft model's path")
     if text in ("self-int4", "ngram"):
         return DraftSpec(text)
     if text.startswith("self-layers"):

@@ -86,6 +86,9 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
     """Turn a user's MODEL argument into a ModelSource, or raise a ModelSourceError that says what is wrong. A local
     directory holding a model is taken before the built-in of the same name, as transformers takes a local directory
     before a Hub id (one that holds none, e.g. an artifact compiled to `-o smollm2-135m`, is not)."""
+    if not str(model).strip():  # Path("") is the working directory
+        raise ModelSourceError(f"the model path is empty (give a Hugging Face model directory, a .gguf file, or "
+                               f"'{DEFAULT_MODEL}')")
     local = Path(model).expanduser()
     if str(model) == DEFAULT_MODEL and not (local.is_dir() and ((local / "config.json").is_file()
                                                               or any(local.glob("*.gguf")))):

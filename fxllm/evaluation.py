@@ -143,7 +143,7 @@ def evaluate(model: str | os.PathLike | Scorer, text_path: str | os.PathLike, ct
         max_tokens = _checked("--max-tokens", "max_tokens", max_tokens)
     text = read_text(text_path)
     scorer = model if isinstance(model, Scorer) else Scorer(model, int8_activations)
-    ref = Scorer(reference) if reference else None
+    ref = Scorer(reference) if reference is not None else None  # '' is refused as a path, not dropped
     ctx = _window_length(ctx, scorer, ref)
     ids = scorer.tokenizer.encode(text)
     if max_tokens is not None:

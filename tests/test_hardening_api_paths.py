@@ -37,6 +37,24 @@ def test_load_of_an_empty_path_is_not_the_working_directory(make_tiny_artifact, 
             fxllm.load(path)
 
 
+def test_an_empty_model_draft_or_reference_path_is_refused(make_tiny_model, make_tiny_artifact, tmp_path,
+                                                           monkeypatch):
+    """'' was the working directory: `fxllm compile ""` and `--draft ""` compiled the model found there, and
+    `eval --reference ""` dropped the reference without a word."""
+    from fxllm.evaluation import evaluate
+
+    monkeypatch.chdir(make_tiny_model("llama"))  # a model directory: what '' compiled
+    with pytest.raises(ModelSourceError, match="the model path is empty"):
+        fxllm.compile("", tmp_path / "out")
+    with pytest.raises(PipelineError, match="--draft is empty"):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "out", draft="")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    with pytest.raises(ModelSourceError, match="the model path is empty"):
+        evaluate(make_tiny_artifact("llama"), text, reference="")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("model", NOT_PATHS)
 def test_compile_of_a_model_that_is_not_a_path_is_a_model_source_error(model, tmp_path):
     with pytest.raises(ModelSourceError, match="model must be a path"):
