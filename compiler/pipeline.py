@@ -93,12 +93,26 @@ def place_quantization(passes: str | list[str] | None, pass_options: dict[str, d
     if gguf and not requantize and passes is None:
         _check_kept_gguf_options(options.get("quantize", {}))
         quant = "gguf"
+    if gguf and not requantize and passes is not None:
+        _check_no_requantizing_pass(passes, options.get("quantize", {}))
     if quant:
         _check_no_double_options(options.get("quantize", {}), {**quant_options, "method": quant})
         options.setdefault("quantize", {}).update({**quant_options, "method": quant})
         if passes is None:
             passes = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + ",quantize,kv-cache"
     return passes, options
+
+
+def _check_no_requantizing_pass(passes: str | list[str], quantize_options: dict[str, Any]) -> None:
+    """A GGUF's blocks are kept exactly unless --requantize: a quantize pass of another method in an explicit pass
+    list re-rounded them as --quant would, which is refused (a bare `quantize` made a Q4_0 file int8)."""
+    for name, inline in parse_pipeline(passes):
+        method = inline.get("method", quantize_options.get("method"))
+        if name == "quantize" and method != "gguf":
+            shown = f"method {method}" if method else "its default method"
+            raise PipelineError(f"this GGUF's own quantized blocks are kept exactly, but --passes quantizes them again "
+                                f"({shown}); give quantize:method=gguf to keep them, or add --requantize to load the "
+                                "file as float and quantize it again")
 
 
 def _check_option_tables(pass_options: Any, quant_options: Any) -> None:

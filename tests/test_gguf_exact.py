@@ -148,6 +148,13 @@ def test_requantize_and_quant_flags_on_gguf(q4_1_file, make_tiny_model, tmp_path
                                                                       "method": "int4-gptq"}
     with pytest.raises(PipelineError, match="needs a method"):
         place_quantization(None, None, None, {"group_size": 64})
+    # an explicit pass list that quantizes a GGUF again (a bare quantize made a Q4_0 file int8) is refused
+    for passes, options in (("cleanup,quantize,kv-cache", None), ("cleanup,quantize:method=int4-rtn,kv-cache", None),
+                            ("cleanup,quantize,kv-cache", {"quantize": {"method": "int8"}})):
+        with pytest.raises(PipelineError, match="but --passes quantizes them again"):
+            place_quantization(passes, options, gguf=True)
+    assert place_quantization("cleanup,quantize:method=gguf,kv-cache", None, gguf=True)[0].startswith("cleanup")
+    assert place_quantization("cleanup,quantize,kv-cache", None, gguf=True, requantize=True)[0].startswith("cleanup")
 
 
 def test_a_quiet_load_draws_no_gguf_dequantization_bar(q4_1_file, capsys):
