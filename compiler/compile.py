@@ -139,10 +139,12 @@ def compile_model(
                                     f"{torch_model.config.num_hidden_layers}")
             truncate_layers(torch_model, keep_layers)
         captured = timed("capture", "capturing with torch.export", capture, torch_model)
+        kv_windows = None
         if kv_cache_dtype == "int8":
-            from fxllm.compiler.quant.kv_cache import check_lowers_to_quantized_attention
+            from fxllm.compiler.quant.kv_cache import calibration_windows, check_lowers_to_quantized_attention
 
             check_lowers_to_quantized_attention(captured.program.spec)
+            kv_windows = calibration_windows(tokenizer, kv_cache_calib, captured.program.spec.max_positions)
         captured.program.tokenizer = tokenizer
         if source.gguf_file:
             captured.program.source_file = source.directory / source.gguf_file
@@ -157,7 +159,7 @@ def compile_model(
             from fxllm.compiler.quant.kv_cache import kv_cache_scales
 
             kv_scales, kv_calibrated = timed("kv-calibration", "calibrating the int8 KV cache", kv_cache_scales,
-                                             program, kv_cache_calib)
+                                             program, kv_windows)
             program.spec.kv_cache_dtype = "int8"
         if target == "torch":
             from fxllm.compiler.targets.torch_export import lower_to_torch

@@ -107,3 +107,20 @@ def test_a_model_whose_attention_does_not_lower_to_the_kernel_is_refused_after_t
     with pytest.raises(UnsupportedModelError, match=r"does not lower to \(soft-capping\)"):
         fxllm.compile(source, output, kv_cache_dtype="int8")
     assert not output.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["gemma2"]
+
+
+def test_a_calibration_text_too_short_is_refused_before_the_passes(tmp_path_factory, make_tiny_model, monkeypatch):
+    """It was refused after the passes (a GPTQ's minutes on SmolLM2), where the cache's calibration ran."""
+    import fxllm.compiler.compile as compile_module
+
+    def passes_ran(*args, **kwargs):
+        raise AssertionError("the passes ran before the calibration text was checked")
+
+    monkeypatch.setattr(compile_module, "run_pipeline", passes_ran)
+    short = tmp_path_factory.mktemp("short") / "short.txt"
+    short.write_text("Too short to calibrate anything.")
+    output = tmp_path_factory.mktemp("out") / "out"
+    with pytest.raises(PipelineError, match=r"kv-cache int8: the calibration text '.*short\.txt' has \d+ tokens; "
+                                            r"calibrating the cache needs at least 256"):
+        fxllm.compile(make_tiny_model("llama"), output, kv_cache_dtype="int8", kv_cache_calib=str(short))
+    assert not output.exists()

@@ -43,18 +43,29 @@ def check_lowers_to_quantized_attention(spec) -> None:
                                     "compile without it")
 
 
-def kv_cache_scales(program: Program, calibration: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], str]:
-    """Per layer (K scale, V scale), each [kv_heads, head_dim] float32; and what they were calibrated on."""
+def calibration_windows(tokenizer, calibration: str, max_positions: int) -> tuple[torch.Tensor, str]:
+    """SAMPLES windows of WINDOW tokens (fewer for a model with fewer positions) spread over the calibration text:
+    [SAMPLES, window], and what they are. Called right after the capture: a text too short is refused before the
+    passes (a GPTQ's minutes), not after them."""
     from fxllm.compiler.quant.calibration import read_calibration_text
 
     text, source = read_calibration_text(calibration, user="kv-cache int8")
-    window = min(WINDOW, program.spec.max_positions)
-    ids = program.tokenizer(text, add_special_tokens=False)["input_ids"]
+    window = min(WINDOW, max_positions)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < window:
-        raise PipelineError(f"kv-cache int8: the calibration text '{source}' has {len(ids)} tokens; calibrating the "
-                            f"cache needs at least {window}")
+        raise PipelineError(f"kv-cache int8: the calibration text '{source}' has {len(ids)} token"
+                            f"{'s' if len(ids) != 1 else ''}; calibrating the cache needs at least {window}")
     starts = np.linspace(0, len(ids) - window, SAMPLES).astype(int).tolist()
-    tokens = torch.tensor([ids[s:s + window] for s in starts], dtype=torch.long)
+    return (torch.tensor([ids[s:s + window] for s in starts], dtype=torch.long),
+            f"{source}, {SAMPLES} windows of {window} tokens")
+
+
+def kv_cache_scales(program: Program, windows: tuple[torch.Tensor, str]) -> tuple[list[tuple[np.ndarray, np.ndarray]],
+                                                                                   str]:
+    """Per layer (K scale, V scale), each [kv_heads, head_dim] float32, from calibration_windows' tokens; and what
+    they were calibrated on."""
+    tokens, description = windows
+    window = tokens.shape[1]
     inputs = step_inputs(program, tokens, {})
     for index, sig in enumerate(program.inputs):
         if sig.name == LOGITS_INDEX:  # the last position's logits only: nobody reads them
@@ -69,7 +80,7 @@ def kv_cache_scales(program: Program, calibration: str) -> tuple[list[tuple[np.n
             largest = present.abs().amax(dim=(0, 2)).numpy()
             pair.append((np.maximum(largest, SMALLEST) / 127.0).astype(np.float32))
         scales.append((pair[0], pair[1]))
-    return scales, f"{source}, {SAMPLES} windows of {window} tokens"
+    return scales, description
 
 
 def kv_cache_drift(program: Program, artifact: Path) -> Drift:
