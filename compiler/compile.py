@@ -139,6 +139,12 @@ def compile_model(
                                     f"{torch_model.config.num_hidden_layers}")
             truncate_layers(torch_model, keep_layers)
         captured = timed("capture", "capturing with torch.export", capture, torch_model)
+        for step in steps:
+            if step.name == "quantize":  # a calibration text too short: refused now, not minutes into the passes
+                from fxllm.passes.quantize import check_calibration_length
+
+                check_calibration_length({**step.info.option_defaults, **step.options}, tokenizer,
+                                         captured.program.spec.max_positions)
         kv_windows = None
         if kv_cache_dtype == "int8":
             from fxllm.compiler.quant.kv_cache import calibration_windows, check_lowers_to_quantized_attention

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,6 +70,16 @@ def _check_pass_options(*, method: str, group_size: int | None, lm_head: str, em
     _check_options(method, METHOD_DEFAULTS.get(method, (128, False))[0] if group_size is None else group_size,
                    lm_head, embedding)
     check_calibration_source(calib)
+
+
+def check_calibration_length(options: dict[str, Any], tokenizer, max_positions: int) -> None:
+    """A calibrated method's text holds its samples' tokens (the pass's own check, calibration_tokens): the compile
+    calls this right after the capture with the step's options (defaults filled in), so a text too short is refused
+    before the passes, not minutes into them."""
+    if options.get("method") not in CALIBRATED or tokenizer is None:
+        return
+    text, source = read_calibration_text(options["calib"])
+    calibration_tokens(tokenizer, text, options["samples"], min(options["seq_len"], max_positions), source)
 
 
 @register_pass("quantize", requires=("captured",), provides=("quantized",), forbids=("quantized", "kv-cache"),

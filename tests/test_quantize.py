@@ -361,3 +361,21 @@ def test_tensorrt_form_of_asymmetric_int4_matches_the_ort_form(make_tiny_model, 
     tokens = {name: [r.token_ids for r in fxllm.load(tmp_path / name).generate(prompts, max_new_tokens=16)]
               for name in ("ort", "trt")}
     assert tokens["trt"] == tokens["ort"]
+
+
+def test_a_calibration_text_too_short_is_refused_before_the_passes(make_tiny_model, tmp_path, monkeypatch):
+    """GPTQ / AWQ refused a text too short for their samples only inside the quantize pass (44 s into a SmolLM2
+    compile); now right after the capture."""
+    import fxllm
+    import fxllm.compiler.compile as compile_module
+    from fxllm.errors import PipelineError
+
+    def passes_ran(*args, **kwargs):
+        raise AssertionError("the passes ran before the calibration text was checked")
+
+    monkeypatch.setattr(compile_module, "run_pipeline", passes_ran)
+    short = tmp_path / "short.txt"
+    short.write_text("Far too short.")
+    with pytest.raises(PipelineError, match=r"the calibration text '.*short\.txt' has \d+ tokens; 16 samples"):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "out", quant="int4-gptq", quant_options={"calib": str(short)})
+    assert not (tmp_path / "out").exists()
