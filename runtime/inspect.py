@@ -49,6 +49,11 @@ def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
             spec.get("source_num_kv_heads") or spec["num_kv_heads"]),
         "compile_seconds": manifest.get("compile_seconds", {}),
         "quantization": quantization(loaded.model_file),
+        # recorded beside the passes: the int8 KV cache's drift (measured on the written artifact), the draft, and
+        # the runtime's recommendation
+        "kv_cache": (manifest.get("lowering") or {}).get("kv_cache"),
+        "speculative": manifest.get("speculative"),
+        "runtime": manifest.get("runtime") or {},
     }
     if loaded.io.paged:
         block_size = loaded.io.block_size
@@ -88,6 +93,15 @@ def _render(info: dict[str, Any]) -> str:
         options = f" {record['options']}" if record["options"] else ""
         lines.append(f"  {record['name']:<{width}}{options} {record['seconds']:>6.2f} s   max|Δlogit| "
                      f"{drift['max_abs_logit']:.2e}  KL {drift['mean_kl']:.1e}  greedy {drift['greedy_agreement']:.0%}")
+    if info["kv_cache"]:
+        kv, drift = info["kv_cache"], info["kv_cache"]["drift"]
+        lines.append(f"  {kv['dtype']} KV cache ({kv['calibration']}), on the written artifact: max|Δlogit| "
+                     f"{drift['max_abs_logit']:.2e}  KL {drift['mean_kl']:.1e}  greedy {drift['greedy_agreement']:.0%}")
+    if info["speculative"]:
+        draft = info["speculative"]
+        lines.append(f"speculative  {draft.get('description') or draft['mode']}, k {draft['k']}")
+    if info["runtime"].get("int8_activations"):
+        lines.append("runtime      int8 activations in the quantized matmuls by default (--float-activations: float)")
     lines.append("inputs")
     lines += [f"  {s['name']:<16} {s['dtype']}[{', '.join(map(str, s['dims']))}]" for s in _folded(info["io"]["inputs"])]
     lines.append("outputs")

@@ -37,6 +37,10 @@ def test_the_cache_is_int8_and_its_drift_is_recorded(int8_artifact):
     assert recorded == report.kv_cache and recorded["dtype"] == "int8" and "calib.txt" in recorded["calibration"]
     drift = recorded["drift"]
     assert all(math.isfinite(v) for v in drift.values())
+    from fxllm.runtime.inspect import describe_artifact  # inspect showed only the passes' (float cache) drift
+
+    assert f"int8 KV cache ({recorded['calibration']}), on the written artifact: max|Δlogit| " \
+           f"{drift['max_abs_logit']:.2e}" in describe_artifact(output)["text"]
     # a real, measured drift: not zero (int8 codes are not the float cache), and small (the random tiny model's
     # logits are nearly flat, so a few of its 32 argmaxes flip: 84% agree)
     assert 0 < drift["max_abs_logit"] < 0.5 and 0 < drift["mean_kl"] < 1e-3 and drift["greedy_agreement"] >= 0.75

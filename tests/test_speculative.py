@@ -35,6 +35,10 @@ def test_greedy_output_is_the_targets(draft, make_tiny_model, greedy_reference, 
         assert [r.token_ids for r in unrolled.generate(EIGHT_PROMPTS, max_new_tokens=64)] == greedy_reference
     plain = fxllm.load(artifact, speculative=False)
     assert plain.generate(EIGHT_PROMPTS[0], max_new_tokens=16).token_ids == greedy_reference[0][:16]
+    from fxllm.runtime.inspect import describe_artifact  # inspect said nothing of the draft
+
+    described = describe_artifact(artifact)["text"]
+    assert f"speculative  {draft}" in described and "k 4" in described
 
 
 def test_sampling_is_seeded_and_uses_the_draft(make_tiny_model, tmp_path):
