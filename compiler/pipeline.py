@@ -218,6 +218,9 @@ def build_pipeline(
                 f"(order: {' → '.join(seen + [step.name])}){hint}"
             )
         clashing = step.info.forbids & facts
+        if clashing and step.name in seen:  # its own earlier run provided the fact: say it is listed twice
+            raise PipelineError(f"pass '{step.name}' is listed twice (order: {' → '.join(seen + [step.name])}); "
+                                "it runs once")
         if clashing:
             raise PipelineError(
                 f"pass '{step.name}' must run before anything that provides {', '.join(sorted(clashing))} "

@@ -20,8 +20,10 @@ def test_unknown_pass_is_named():
 
 
 def test_pass_applied_twice_is_rejected():
-    with pytest.raises(PipelineError, match="'kv-cache' must run before anything that provides kv-cache"):
-        build_pipeline(parse_pipeline("kv-cache,kv-cache"))
+    """Named as listed twice (it was "'quantize' must run before anything that provides quantized")."""
+    for passes, name in (("kv-cache,kv-cache", "kv-cache"), ("cleanup,quantize,quantize,kv-cache", "quantize")):
+        with pytest.raises(PipelineError, match=f"pass '{name}' is listed twice"):
+            build_pipeline(parse_pipeline(passes))
 
 
 @pytest.fixture
