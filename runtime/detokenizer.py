@@ -32,7 +32,7 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that ended the text
-        self._searched = 0  # characters of text searched for stop strings (its settled part when searched)
+        self._searched = 0  # characters of text searched for stop strings (without an open character's U+FFFD)
         self._settled = ""  # the decode of token_ids[:self._boundaries[-1]], which ends in no open character
         self._boundaries = [0]  # every settled token count so far, ascending: where a window may start
         self._is_fallback_byte = getattr(tokenizer, "is_fallback_byte", None)
@@ -48,11 +48,12 @@ class IncrementalDetokenizer:
             elif self._byte_run_start is None:
                 self._byte_run_start = len(self.text)
         self.text = text = self._decoded()
-        stable = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
-        if self._byte_run_start is not None:
-            stable = min(stable, self._byte_run_start)
-        if self._cut_at_stop(stable):
+        settled = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
+        # a stop in an open byte-fallback run matches at once (a "\n" is the byte token <0x0A> in Llama 2's
+        # vocabulary): stopping freezes the run as decoded; only its streaming waits for the run to resolve
+        if self._cut_at_stop(settled):
             return self.finish()
+        stable = settled if self._byte_run_start is None else min(settled, self._byte_run_start)
         return self._emit_until(max(self.emitted, stable - self.holdback))
 
     def finish(self) -> str:
@@ -65,9 +66,9 @@ class IncrementalDetokenizer:
         return self._emit_until(len(self.text))
 
     def _cut_at_stop(self, end: int) -> bool:
-        """Cut the text before the earliest stop string that lies wholly in text[:end] (its settled part: an open
-        character's placeholder U+FFFD or a byte run that may still change must not match) and was not searched
-        before; a stop may straddle tokens, and the earliest in the text wins whatever the order of the list."""
+        """Cut the text before the earliest stop string that lies wholly in text[:end] (without the placeholder U+FFFD
+        of a character still open at its end, which must not match) and was not searched before; a stop may straddle
+        tokens, and the earliest in the text wins whatever the order of the list."""
         found = [(at, stop) for stop in self.stop
                  if (at := self.text.find(stop, max(0, self._searched - len(stop) - CLEAN_UP_HOLDBACK), end)) != -1]
         self._searched = max(self._searched, end)

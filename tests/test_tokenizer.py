@@ -119,6 +119,16 @@ def test_a_stop_string_matches_only_characters_already_decoded(pair):
             assert detokenizer.stopped == (cut < len(whole)), (name, text, stop)
     if name in BYTE_LEVEL:
         assert split, name
+    # a character the vocabulary spells in bytes (byte fallback: <0xE2><0x9C><0x93>; Llama 2 spells "\n" so) ends
+    # the generation at the token that completes it, not at the next one, which closes the byte run
+    ids = ours.encode("one \u2713 two three", add_special_tokens=False)
+    whole = ours.decode(ids)
+    if "\u2713" in whole:
+        detokenizer = IncrementalDetokenizer(ours, ["\u2713"])
+        used = next(count for count, token in enumerate(ids, 1) if detokenizer.add(token) is not None
+                    and detokenizer.stopped)
+        assert detokenizer.text == whole[:whole.index("\u2713")], name
+        assert "\u2713" not in ours.decode(ids[:used - 1]) and "\u2713" in ours.decode(ids[:used]), name
 
 
 def test_a_long_generation_detokenizes_in_windows(tokenizer_dir):
