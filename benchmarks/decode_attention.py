@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from decode import parse_contexts
+
 
 def build(form: str, layers: int, q_heads: int, kv_heads: int, head_dim: int, capacity: int, max_positions: int):
     """The ONNX model (bytes) of `layers` decode attentions in `form` ("gqa" or "standard")."""
@@ -134,7 +136,8 @@ def measure(form: str, args, context: int, capacity: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", default="64,256,1024", help="valid cache rows, comma-separated")
+    parser.add_argument("--contexts", type=parse_contexts, default=[64, 256, 1024],
+                        help="valid cache rows, comma-separated")
     parser.add_argument("--capacity-factor", type=float, default=1.0,
                         help="buffer rows = context x this (1: the buffer holds exactly the context)")
     parser.add_argument("--layers", type=int, default=30)
@@ -147,18 +150,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.q_heads % args.kv_heads or args.head_dim % 16:
         parser.error("--q-heads must be a multiple of --kv-heads and --head-dim of 16")
-    try:
-        contexts = [int(c) for c in args.contexts.split(",")]
-    except ValueError:
-        contexts = []
-    if not contexts or min(contexts) < 1 or args.capacity_factor < 1 or min(args.layers, args.rounds, args.calls) < 1:
-        parser.error("--contexts takes positive integers (e.g. 64,1024); --capacity-factor, --layers, --rounds and "
-                     "--calls at least 1")
+    if args.capacity_factor < 1 or min(args.layers, args.rounds, args.calls) < 1:
+        parser.error("--capacity-factor, --layers, --rounds and --calls must be at least 1")
     print(f"{args.layers} layers, {args.q_heads} query / {args.kv_heads} KV heads of {args.head_dim}, "
           f"{args.threads} threads, one decode token, median of {args.rounds} x {args.calls} calls")
     print("| context | capacity | GroupQueryAttention ms | standard ops ms | standard / GQA |")
     print("| ---: | ---: | ---: | ---: | ---: |")
-    for context in contexts:
+    for context in args.contexts:
         capacity = max(context, round(context * args.capacity_factor))
         gqa, standard = measure("gqa", args, context, capacity), measure("standard", args, context, capacity)
         print(f"| {context:,} | {capacity:,} | {gqa:.3f} | {standard:.3f} | {standard / gqa:.2f}x |")
