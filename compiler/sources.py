@@ -89,12 +89,11 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
     if not str(model).strip():  # Path("") is the working directory
         raise ModelSourceError(f"the model path is empty (give a Hugging Face model directory, a .gguf file, or "
                                f"'{DEFAULT_MODEL}')")
-    local = Path(model).expanduser()
-    if str(model) == DEFAULT_MODEL and not (local.is_dir() and ((local / "config.json").is_file()
-                                                              or any(local.glob("*.gguf")))):
-        path = default_model_path()
-        return ModelSource(DEFAULT_MODEL, path.parent, path.name)
     path = Path(model).expanduser()
+    if str(model) == DEFAULT_MODEL and not (path.is_dir() and ((path / "config.json").is_file()
+                                                             or any(path.glob("*.gguf")))):
+        built_in = default_model_path()
+        return ModelSource(DEFAULT_MODEL, built_in.parent, built_in.name)
     if not path.exists():
         raise ModelSourceError(
             f"model path '{model}' does not exist (give a Hugging Face model directory, a .gguf file, "
