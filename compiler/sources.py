@@ -327,12 +327,11 @@ def _check_gguf_block_count(source: ModelSource, architecture: str) -> None:
     if field is None:
         return
     declared = _gguf_integers(field)[0]
-    blocks = {int(part) for tensor in reader.tensors
-              if (parts := str(tensor.name).split("."))[0] == "blk" and len(parts) > 1
-              for part in parts[1:2] if part.isdigit()}
-    beyond = sorted(block for block in blocks if block >= declared)
+    beyond = [int(parts[1]) for tensor in reader.tensors
+              if len(parts := str(tensor.name).split(".")) > 1 and parts[0] == "blk" and parts[1].isdigit()
+              and int(parts[1]) >= declared]
     if beyond:
-        raise ModelSourceError(f"'{path}' holds tensors of block {beyond[0]} but its header's "
+        raise ModelSourceError(f"'{path}' holds tensors of block {min(beyond)} but its header's "
                                f"{architecture}.block_count is {declared}: the file is a larger model than its header "
                                "describes")
 

@@ -89,14 +89,13 @@ def _render(info: dict[str, Any]) -> str:
     ]
     width = max((len(record["name"]) for record in info["passes"]), default=0)
     for record in info["passes"]:
-        drift = record["drift"]
         options = f" {record['options']}" if record["options"] else ""
-        lines.append(f"  {record['name']:<{width}}{options} {record['seconds']:>6.2f} s   max|Δlogit| "
-                     f"{drift['max_abs_logit']:.2e}  KL {drift['mean_kl']:.1e}  greedy {drift['greedy_agreement']:.0%}")
+        lines.append(f"  {record['name']:<{width}}{options} {record['seconds']:>6.2f} s   "
+                     f"{_drift_text(record['drift'])}")
     if info["kv_cache"]:
-        kv, drift = info["kv_cache"], info["kv_cache"]["drift"]
-        lines.append(f"  {kv['dtype']} KV cache ({kv['calibration']}), on the written artifact: max|Δlogit| "
-                     f"{drift['max_abs_logit']:.2e}  KL {drift['mean_kl']:.1e}  greedy {drift['greedy_agreement']:.0%}")
+        kv = info["kv_cache"]
+        lines.append(f"  {kv['dtype']} KV cache ({kv['calibration']}), on the written artifact: "
+                     f"{_drift_text(kv['drift'])}")
     if info["speculative"]:
         draft = info["speculative"]
         lines.append(f"speculative  {draft.get('description') or draft['mode']}, k {draft['k']}")
@@ -111,6 +110,11 @@ def _render(info: dict[str, Any]) -> str:
     for note in spec.get("notes", []):
         lines.append(f"note         {note}")
     return "\n".join(lines)
+
+
+def _drift_text(drift: dict[str, float]) -> str:
+    return (f"max|Δlogit| {drift['max_abs_logit']:.2e}  KL {drift['mean_kl']:.1e}  "
+            f"greedy {drift['greedy_agreement']:.0%}")
 
 
 def _size_line(total: int, files: dict[str, int]) -> str:
