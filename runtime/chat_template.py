@@ -102,8 +102,9 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
 
 
 def _plain(value: Any) -> Any:
-    """Rebuild a value from exact JSON types, so the template only ever sees objects without dangerous methods;
-    anything else becomes an inert "<TypeName>" placeholder."""
+    """Rebuild a value from exact JSON types, so the template only ever sees objects without dangerous methods.
+    A value with no JSON form (bytes, a set, a path, any other object) is a GenerationError: rendered as a
+    placeholder it would reach the model as text the caller never wrote."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, str):  # subclasses (enums, numpy strings) may carry methods: back to the base type
@@ -124,7 +125,9 @@ def _plain(value: Any) -> Any:
         return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):  # pydantic models, e.g. the openai client's messages
         return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
+    hint = "; decode bytes to text first" if isinstance(value, (bytes, bytearray, memoryview)) else ""
+    raise GenerationError(f"a chat message or template variable holds a {type(value).__name__} value, which has no "
+                          f"JSON form: give text, numbers, lists or objects{hint}")
 
 
 ERROR_CHARACTERS = 2000  # of an error's message kept in a GenerationError (a template may raise a huge one)

@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -339,6 +340,12 @@ def test_bad_conversations_are_refused(tokenizer_dir):
         ours.apply_chat_template(CONVERSATIONS[0], tools=[print])
     with pytest.raises(GenerationError, match="can only tokenize text"):
         ours.encode(None)
+    # a value with no JSON form once rendered as "<bytes>" / "<PosixPath>": text the caller never wrote
+    for content, hint in ((b"hello", "bytes value.*decode bytes to text first"), (Path("notes.txt"), "Path value")):
+        with pytest.raises(GenerationError, match=hint):
+            ours.apply_chat_template([{"role": "user", "content": content}])
+    with pytest.raises(GenerationError, match="set value"):
+        ours.apply_chat_template(CONVERSATIONS[0], date_string={"today"})
 
 
 def test_bad_tokenizer_files_are_artifact_errors(tokenizer_dir, tmp_path):
