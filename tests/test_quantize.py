@@ -279,6 +279,8 @@ def test_quantize_bad_options(make_tiny_model, tmp_path):
     program.tokenizer = load_tokenizer(source)
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
+    marked = tmp_path / "marked.txt"  # a byte-order mark alone: empty too (it counted as 3 tokens)
+    marked.write_bytes(b"\xef\xbb\xbf\n")
     short = tmp_path / "short.txt"
     short.write_text("Only a few words of calibration text.")
     binary = tmp_path / "random.bin"
@@ -289,6 +291,7 @@ def test_quantize_bad_options(make_tiny_model, tmp_path):
                           ("method=int4-rtn;lm_head=int2", "lm_head must be one of"),
                           ("method=int8;zero_point=true", "zero_point applies to the int4 methods"),
                           (f"method=int4-gptq;calib={empty}", "is empty"),
+                          (f"method=int4-gptq;calib={marked}", "is empty"),
                           (f"method=int4-awq;calib={short}",  # windows cut to the tiny model's 256 positions
                            "has 8 tokens; 16 samples of 256 tokens need 4096"),
                           (f"method=int4-gptq;calib={tmp_path / 'missing.txt'}",

@@ -72,8 +72,10 @@ def read_calibration_text(path: str, user: str = "quantize") -> tuple[str, str]:
 
 
 def _decode(data: bytes, path: str, user: str) -> str:
+    from fxllm.datasets import utf8_text
+
     try:
-        return data.decode("utf-8")
+        return utf8_text(data)
     except UnicodeDecodeError as exc:
         raise PipelineError(f"{user}: the calibration text '{path}' is not UTF-8 text (byte "
                             f"0x{exc.object[exc.start]:02x} at offset {exc.start}); calibrating on it would fit the "
