@@ -114,15 +114,17 @@ def _raise(error: OSError) -> None:
 @contextmanager
 def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
     """Yield a new, hidden temporary directory next to `output`; when the block succeeds it replaces `output`,
-    when it fails or is interrupted (SIGINT, SIGTERM, SIGHUP: runtime/interruption.py) it vanishes and `output` is
-    left as it was. `output` is checked (check_output) on entry and again just before the swap; the staging
-    directory is created on entry, so an unwritable location fails before any work."""
+    when it fails or is interrupted (SIGINT, SIGTERM, SIGHUP: runtime/interruption.py) it vanishes, with the parent
+    directories made for it, and `output` is left as it was. `output` is checked (check_output) on entry and again
+    just before the swap; the staging directory is created on entry, so an unwritable location fails before any
+    work."""
     output = check_output(output)
     blocker = next((p for p in reversed(output.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise ArtifactError(f"cannot write the output directory '{output}': '{blocker}' is not a directory")
     with interruptible():
         staging = None
+        created = [parent for parent in output.parents if not parent.exists()]  # deepest first
         try:
             with held_back():  # a signal now is raised once `staging` is set, inside this try: it gets cleaned
                 staging = _create_staging(output)
@@ -136,6 +138,7 @@ def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
         except BaseException as exc:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
+            _remove_empty(created)
             if isinstance(exc, OSError) and exc.errno is None and staging is not None:
                 # a writer that lost the errno: numpy's tofile (under the ONNX export) reports a full disk as
                 # "problem writing element N to file"; the space it had taken is freed again by now
@@ -143,6 +146,16 @@ def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
                                     f"{_free_space(output.parent)} free there now, with the partial artifact "
                                     "removed") from exc
             raise
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    """Remove the directories a failed write created for its output, deepest first, while they are empty (another
+    process may have put something there meanwhile: that one and those above it stay)."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
 
 
 def _working_directory_and_parents() -> list[Path]:

@@ -430,3 +430,21 @@ def test_a_cleanup_that_fails_because_of_the_signal_still_ends_as_the_interrupti
     with pytest.raises(ValueError):  # without a signal, errors pass through unchanged
         with staging_directory(output):
             raise ValueError("not an interruption")
+
+
+def test_a_failed_write_removes_the_directories_it_made_for_its_output(tmp_path):
+    """`-o new/deeper/artifact` makes new/ and deeper/ for the staging directory; a compile that failed left them
+    behind, empty. They go with the staging directory; a directory that was there before, or that gained a file
+    meanwhile, stays."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(ValueError):
+        with staging_directory(kept / "new" / "deeper" / "artifact") as stage:
+            (stage / "model.onnx").write_bytes(b"partial")
+            raise ValueError("the compile failed")
+    assert list(kept.iterdir()) == []
+    with pytest.raises(ValueError):
+        with staging_directory(kept / "new" / "deeper" / "artifact"):
+            (kept / "new" / "notes.txt").write_text("written by someone else meanwhile")
+            raise ValueError("the compile failed")
+    assert sorted(p.name for p in (kept / "new").iterdir()) == ["notes.txt"]
