@@ -44,6 +44,9 @@ def test_every_onnx_node_knows_its_origin(trt_artifact):
     model = onnx.load(str(artifact / "model.onnx"), load_external_data=False)
     origins = {p.value for n in model.graph.node for p in n.metadata_props if p.key == "fxllm.origin"}
     assert {"capture", "kv-cache", "fuse-projections"} <= origins
+    fused = {p.value for n in model.graph.node if n.op_type in ("RMSNormalization", "RotaryEmbedding")
+             for p in n.metadata_props if p.key == "fxllm.origin"}
+    assert fused == {"lowering"}  # the exporter's fusions, not the fx node whose metadata they copied
     assert all(any(p.key == "fxllm.origin" for p in n.metadata_props) for n in model.graph.node)
 
 

@@ -120,7 +120,12 @@ def optimize_graph(model: ir.Model) -> None:
                      lift_all_constants=True, size_limit=0), common.DeduplicateInitializersPass(),
                  common.CommonSubexpressionEliminationPass(), common.OutputFixPass(), common.NameFixPass()):
         step(model)
+    existing = list(model.graph.all_nodes())  # held, so no new node can take a removed one's id
+    known = {id(node) for node in existing}
     onnxscript.rewriter.onnx_fusions.fuse(model)
+    for node in model.graph.all_nodes():  # the fused nodes copy a matched node's fx metadata: not its origin
+        if id(node) not in known:
+            node.metadata_props[ORIGIN_KEY] = "lowering"
     common.RemoveUnusedNodesPass()(model)
 
 
@@ -247,12 +252,15 @@ def name_dimensions(model: ir.Model, program: Program) -> None:
 
 def record_origins(model: ir.Model, graph: torch.fx.Graph) -> None:
     """Copy each fx node's origin pass onto the ONNX nodes lowered from it, matched through the exporter's
-    pkg.torch.onnx.fx_node metadata or its node_<fx name> naming; nodes the exporter's own fusions created
-    (RMSNormalization, RotaryEmbedding...) are marked "lowering"."""
+    pkg.torch.onnx.fx_node metadata or its node_<fx name> naming. Nodes lowering made itself keep the "lowering"
+    their maker stamped (optimize_graph's fusions: RMSNormalization, RotaryEmbedding; align_norm_types' casts), as
+    does any node no fx node explains."""
     from fxllm.compiler.pass_manager import origin_of
 
     origins = {node.name: origin_of(node) for node in graph.nodes}
     for node in model.graph.all_nodes():
+        if ORIGIN_KEY in node.metadata_props:
+            continue
         fx_node = node.metadata_props.get("pkg.torch.onnx.fx_node", "")
         name = fx_node.split(" ", 1)[0].lstrip("%") or (node.name or "").removeprefix("node_")
         node.metadata_props[ORIGIN_KEY] = origins.get(name) or "lowering"
