@@ -7,6 +7,7 @@ the model's KV heads and repeated to the query heads in front of it; the `gqa` p
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -161,12 +162,13 @@ def _fixed_rope_type(module: torch.nn.Module, rope_type: str, context: int | Non
         "positions: its frequencies depend on the longest position of each call, which fxllm cannot express")
 
 
-def spec_from_config(config, architecture: str, kv_heads: int | None = None, generation_config=None) -> ModelSpec:
-    """The model spec from the config; `kv_heads` as the captured attention reads them (configs of MHA models
-    often have no KV-head field, and some state a count the attention does not use); `generation_config`: the
-    checkpoint's generation_config.json, whose end ids end a generation too (special_token_ids)."""
+def spec_from_config(config, architecture: str, kv_heads: int | None = None, generation_config=None,
+                     head_dim: int | None = None) -> ModelSpec:
+    """The model spec from the config; `kv_heads` and `head_dim` as the captured attention reads them (configs of
+    MHA models often have no KV-head field, and some state a count the attention does not use); `generation_config`:
+    the checkpoint's generation_config.json, whose end ids end a generation too (special_token_ids)."""
     config = text_config_of(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     bos, eos_ids, pad = special_token_ids(config, generation_config, architecture)
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not max_positions:
@@ -240,11 +242,35 @@ def sample_inputs(batch: int = SAMPLE_BATCH, tokens: int = SAMPLE_TOKENS, vocab:
     return input_ids, position_ids
 
 
+def _export_failure(exc: Exception) -> str:
+    """Why torch.export refused the model, in one line: a guard on the sequence length or a data-dependent branch
+    is named as what the model's code does; anything else is torch's message, shortened."""
+    text = " ".join(str(exc).split())
+    guard = re.search(r"generated guard (.+?)(?:\. - | Suggested fixes|$)", text)
+    if "Constraints violated" in text and guard:
+        return ("its forward fixes or bounds the sequence length (torch.export guard: "
+                f"{guard.group(1).replace(INPUT_IDS_SIZE, 'tokens')}), e.g. an attention mask or position table "
+                "built for a fixed length outside transformers' attention interface; fxllm compiles any length")
+    expression = re.search(r"data-dependent expression (.+?) \(unhinted", text) or \
+        re.search(r"data-dependent expression (\S+)", text)
+    if expression:
+        return (f"its forward branches on or sizes tensors by their values (data-dependent: "
+                f"{expression.group(1).rstrip('.,')}), which a compiled graph cannot")
+    return f"{type(exc).__name__}: {text[:600]}"
+
+
+INPUT_IDS_SIZE = "L['input_ids'].size()[1]"
+
+
 def capture(model: torch.nn.Module) -> Capture:
     """torch.export the model's logits forward with dynamic batch and sequence length: one fxllm::attention node
     per layer (with its window, soft-cap and sinks), one fxllm::moe_experts node per mixture-of-experts layer."""
     architecture = type(model).__name__
     vocab_size = text_config_of(model.config).vocab_size
+    latent_rank = getattr(text_config_of(model.config), "kv_lora_rank", None)
+    if latent_rank:  # DeepSeek-V2/V3, MiniCPM3: its export stops on an in-place slice write, which says nothing
+        raise UnsupportedModelError(f"{architecture}: multi-head latent attention (MLA: kv_lora_rank {latent_rank}), "
+                                    "which fxllm cannot express yet")
     start = time.perf_counter()
     batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens")
     dynamic = ({0: batch, 1: tokens}, {0: batch, 1: tokens})
@@ -256,20 +282,26 @@ def capture(model: torch.nn.Module) -> Capture:
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{architecture}: {exc}") if not str(exc).startswith(architecture) else exc
     except Exception as exc:
-        raise UnsupportedModelError(f"torch.export failed for {architecture}: {type(exc).__name__}: {exc}") from exc
+        raise UnsupportedModelError(f"torch.export failed for {architecture}: {_export_failure(exc)}") from exc
     graph_module = _plain_graph_module(exported.module())
     attention_nodes = [n for n in graph_module.graph.nodes if n.target is torch.ops.fxllm.attention.default]
     layers = text_config_of(model.config).num_hidden_layers
     if len(attention_nodes) != layers:
-        raise UnsupportedModelError(
-            f"{architecture}: expected {layers} fxllm.attention nodes after capture, found "
-            f"{len(attention_nodes)} (the model's attention goes neither through transformers' AttentionInterface "
-            "nor through scaled_dot_product_attention)"
-        )
+        found = len(attention_nodes)
+        why = ("more than one attention a layer (e.g. differential attention), which fxllm cannot express"
+               if found > layers else
+               f"{'the' if found == 0 else 'some layers of the'} model's attention goes neither through "
+               "transformers' AttentionInterface nor through scaled_dot_product_attention")
+        raise UnsupportedModelError(f"{architecture}: expected {layers} fxllm.attention nodes after capture, found "
+                                    f"{found} ({why})")
     attention = [_attention_facts(node) for node in attention_nodes]
     kv_heads = {facts["kv_heads"] for facts in attention}
     if len(kv_heads) != 1:
         raise UnsupportedModelError(f"{architecture}: layers with different KV head counts ({sorted(kv_heads)})")
+    head_dims = {facts["head_dim"] for facts in attention}
+    if len(head_dims) != 1:
+        raise UnsupportedModelError(f"{architecture}: layers with different head sizes ({sorted(head_dims)}), which "
+                                    "fxllm's one KV cache layout cannot hold")
     check_sliding_windows(model.config, [facts["window"] for facts in attention], architecture)
     unsupported = first_unsupported_node(graph_module)
     if unsupported is not None:
@@ -277,7 +309,15 @@ def capture(model: torch.nn.Module) -> Capture:
             f"{architecture}: op {unsupported.target} (node '{unsupported.name}') is not understood by any pass or "
             "lowering"
         )
-    spec = spec_from_config(model.config, architecture, kv_heads.pop(), getattr(model, "generation_config", None))
+    try:
+        spec = spec_from_config(model.config, architecture, kv_heads.pop(), getattr(model, "generation_config", None),
+                                head_dim=head_dims.pop())
+    except RuntimeError as exc:  # transformers' AmbiguousGlobalPerLayerAttributeError: a per-layer config value
+        if "is a per-layer attribute" not in str(exc):
+            raise
+        name = re.search(r"'(\w+)' is a per-layer attribute", str(exc))
+        raise UnsupportedModelError(f"{architecture}: the config's {name.group(1) if name else 'attributes'} may "
+                                    "vary across layers (per-layer configs), which fxllm cannot express") from None
     spec.sliding_windows = [facts["window"] for facts in attention] if any(f["window"] for f in attention) else []
     for facts, module in zip(attention, _attention_modules(model)):
         facts["qk_norm"] = any(hasattr(module, name) for name in ("q_norm", "k_norm", "q_layernorm"))
@@ -300,7 +340,7 @@ def _attention_facts(node: torch.fx.Node) -> dict:
     repeat = match_repeat_kv(key)
     heads = (repeat[0] if repeat else key).meta["val"].shape[1]
     return {"window": int(arguments["window"]), "softcap": float(arguments["softcap"]),
-            "sinks": arguments["sinks"] is not None, "kv_heads": int(heads)}
+            "sinks": arguments["sinks"] is not None, "kv_heads": int(heads), "head_dim": int(key.meta["val"].shape[-1])}
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -429,3 +429,51 @@ def test_kv_heads_on_a_fused_projection_it_cannot_regroup_is_refused(arch, token
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "cannot regroup KV heads" in lines[0] and "compile without kv_heads" in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == [arch]
+
+
+def test_a_query_scale_from_the_sequence_length_is_refused_not_compiled_wrong(tokenizer, tmp_path, capsys):
+    """Llama 4's attention temperature tuning scales the queries of its NoPE layers by a function of
+    `arange(tokens) + past_seen_tokens`, not of position_ids: captured without a cache, every decode step took
+    position 0's scale. The kv-cache pass kept every greedy token of the drift sample (max |Δlogit| 3.7e-3 on logits
+    of ~1) and the artifact diverged from transformers later; now that drift fails the compile, nothing written."""
+    directory = _tiny_model("Llama4TextConfig", dict(**GQA, head_dim=16, intermediate_size=96, intermediate_size_mlp=96,
+                                                     num_local_experts=2, attention_chunk_size=None,
+                                                     layer_types=["full_attention"] * 2, no_rope_layers=[1, 0],
+                                                     attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5,
+                                                     moe_layers=[1]),
+                            tmp_path / "model", tokenizer)
+    capsys.readouterr()
+    assert main(["compile", str(directory), "-o", str(tmp_path / "out")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "pass 'kv-cache' should be exact but moved the logits" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+MOE_ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                  n_group=1, topk_group=1)
+REFUSED_BY_WHAT_THEY_DO = {  # an internal error, torch's guard text or an op name before; now what the model does
+    "multi-head latent attention": ("DeepseekV3Config", dict(**GQA, **MOE_ROUTED, intermediate_size=96,
+                                                              kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                                                              qk_nope_head_dim=8, v_head_dim=16)),
+    "more than one attention a layer": ("DiffLlamaConfig", dict(**GQA, intermediate_size=96)),
+    "fixes or bounds the sequence length": ("GPTNeoConfig", dict(num_layers=2, window_size=WINDOW,
+                                                                 attention_types=[[["global", "local"], 1]])),
+    "reads a tensor's values into Python": ("JetMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                                 kv_channels=16, intermediate_size=96)),
+    "layers with different head sizes": ("Gemma4TextConfig", dict(**GQA, head_dim=16, sliding_window=WINDOW,
+                                                                  intermediate_size=96)),
+    "complex arithmetic": ("Llama4TextConfig", dict(**GQA, head_dim=16, intermediate_size=96, intermediate_size_mlp=96,
+                                                    num_local_experts=2, attention_chunk_size=None,
+                                                    layer_types=["full_attention"] * 2, no_rope_layers=[1, 0],
+                                                    attn_temperature_tuning=False, moe_layers=[1])),
+}
+
+
+@pytest.mark.parametrize("feature", list(REFUSED_BY_WHAT_THEY_DO))
+def test_what_a_model_does_that_fxllm_cannot_compile_is_named(feature, tokenizer, tmp_path, capsys):
+    directory = _tiny_model(*REFUSED_BY_WHAT_THEY_DO[feature], tmp_path / "model", tokenizer)
+    capsys.readouterr()
+    assert main(["compile", str(directory), "-o", str(tmp_path / "out")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fxllm: error: ") and feature in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -103,6 +103,35 @@ def test_an_exact_pass_that_changes_tokens_fails_the_compile(make_tiny_model):
         del _REGISTRY["test-breaks-logits"]
 
 
+def test_an_exact_pass_that_moves_logits_past_float_rounding_fails_the_compile(make_tiny_model):
+    """Greedy tokens alone let through a rewrite that changed the math slightly (a kv-cache pass that kept a
+    sequence-length value of the uncached graph moved a tiny model's logits by 3.6e-3 and its greedy tokens only
+    after the drift sample's 16): a shift of 1% of the logits' scale, every greedy token kept, fails too."""
+    import torch
+
+    from fxllm.compiler.capture import capture
+    from fxllm.compiler.pass_manager import PassFailure, run_pipeline
+    from fxllm.compiler.sources import load_model, resolve_source
+
+    @register_pass("test-shifts-logits")
+    def shifts_logits(program):
+        """Test-only pass claiming exactness while scaling the logits by 1.01 (the argmax unchanged)."""
+        output = program.output_node()
+        logits = output.args[0][0]
+        with program.graph.inserting_before(output):
+            scaled = program.graph.call_function(torch.ops.aten.mul.Tensor, (logits, 1.01))
+        output.args = ((scaled, *output.args[0][1:]),)
+        return program
+
+    try:
+        program = capture(load_model(resolve_source(make_tiny_model("llama")))).program
+        with pytest.raises(PassFailure, match=r"'test-shifts-logits' should be exact but moved the logits by more "
+                                              r"than float rounding \(0.001 of their scale"):
+            run_pipeline(program, build_pipeline(parse_pipeline("test-shifts-logits")))
+    finally:
+        del _REGISTRY["test-shifts-logits"]
+
+
 @pytest.mark.parametrize("pipeline, options, message", [
     ("cleanup,quantize,kv-cache", {"quantize": {"method": "int4-gptq", "calib": "no-such-text.txt"}},
      "calibration text 'no-such-text.txt' does not exist"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -71,8 +72,11 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with timer("onnx export"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        onnx_program = export_to_onnx(exported, OPSET, [sig.name for sig in program.inputs],
-                                      [sig.name for sig in program.outputs])
+        try:
+            onnx_program = export_to_onnx(exported, OPSET, [sig.name for sig in program.inputs],
+                                          [sig.name for sig in program.outputs])
+        except Exception as exc:  # the exporter's multi-page report: one line naming the op it could not translate
+            raise UnsupportedModelError(f"lowering to ONNX failed: {conversion_failure(exc)}") from exc
     with timer("optimize"):
         optimize_graph(onnx_program.model)
         align_norm_types(onnx_program.model)
@@ -97,6 +101,23 @@ def lower_to_onnx(program: Program, path: str | os.PathLike, target: str = "ort"
     with timer("check"):
         checked = check_onnx(path)
     return Lowered(checked, context.inputs, context.outputs, context.rewritten)
+
+
+def conversion_failure(exc: Exception) -> str:
+    """The op torch.onnx's exporter could not translate and why, from its report (the innermost 'No ONNX function
+    found for <OpOverload(op='aten.x', ...)>. Failure message: ...'); else the report's first line."""
+    text = " ".join(str(exc).split())
+    for cause in (exc.__cause__, exc.__context__):
+        if cause is not None:
+            text += " " + " ".join(str(cause).split())
+    found = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)'[^>]*>\.? ?"
+                      r"(?:Failure message: ([^.⬆]+))?", text)
+    if found:
+        reason = f" ({found.group(2).strip()})" if found.group(2) else ""
+        complex_hint = "; complex arithmetic (e.g. a rotary embedding in complex numbers) has no ONNX form" \
+            if "complex" in (found.group(2) or "") else ""
+        return f"no ONNX translation for {found.group(1)}{reason}{complex_hint}"
+    return f"{type(exc).__name__}: {text[:400]}"
 
 
 def optimize_graph(model: ir.Model) -> None:
