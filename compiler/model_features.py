@@ -120,6 +120,8 @@ def describe_layers(model: torch.nn.Module, attention: list[dict[str, Any]],
     as the config and modules say, and the MoE shape; what `fxllm inspect` prints."""
     config = text_config_of(model.config)
     rope = _rope_description(config)
+    if rope != "learned positions" and not any("rotary" in type(module).__name__.lower() for module in model.modules()):
+        rope = "absolute positions"  # no rotary module at all (gpt_bigcode's learned, ctrl's sinusoidal positions)
     no_rope = getattr(config, "no_rope_layers", None)
     layers = []
     for layer, seen in enumerate(attention):
@@ -143,6 +145,7 @@ def _rope_description(config) -> str:
     rope_parameters = getattr(config, "rope_parameters", None) or {}  # transformers 5 keeps the factor here
     fraction = (getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct", None)
                 or (rope_parameters.get("partial_rotary_factor") if isinstance(rope_parameters, dict) else None))
-    if fraction is None and getattr(config, "rotary_dim", None) and getattr(config, "head_dim", None):
-        fraction = config.rotary_dim / config.head_dim
+    if fraction is None and getattr(config, "rotary_dim", None):  # gptj, codegen: no head_dim field
+        fraction = config.rotary_dim / (getattr(config, "head_dim", None)
+                                         or config.hidden_size // config.num_attention_heads)
     return f"partial {fraction:.0%}" if fraction is not None and fraction < 1 else "full"
