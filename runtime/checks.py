@@ -114,9 +114,14 @@ def integers(param: str, value: Any, minimum: int | None = None, maximum: int | 
 
 def _check_range(name: str, param: str, value: float, minimum: float | None, maximum: float | None) -> None:
     if minimum is not None and value < minimum:
-        raise InvalidArgumentError(param, f"{name} must be >= {minimum:g}, got {short(value)}")
+        raise InvalidArgumentError(param, f"{name} must be >= {_bound(minimum)}, got {short(value)}")
     if maximum is not None and value > maximum:
-        raise InvalidArgumentError(param, f"{name} must be <= {maximum:g}, got {short(value)}")
+        raise InvalidArgumentError(param, f"{name} must be <= {_bound(maximum)}, got {short(value)}")
+
+
+def _bound(value: float) -> str:
+    """A range's bound as written: an int exactly (-9223372036854775808, not -9.22337e+18), a float shortest."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def byte_size(nbytes: float) -> str:

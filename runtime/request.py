@@ -21,6 +21,7 @@ OUTPUT_KINDS = ("delta", "final")
 # sampling is greedy in all but name, and dividing by still smaller values overflows float64 (at ~1e-300) into
 # NaN probabilities. So: 0 and anything below 1e-5 mean greedy, documented, never an overflow.
 MIN_TEMPERATURE = 1e-5
+MIN_SEED = -(2**63)  # any int64 seed, as OpenAI's API and vLLM take one; a negative one seeds as seed mod 2**64
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class SamplingParams:
         set_(self, "top_k", integer("top_k", self.top_k, minimum=0))
         set_(self, "top_p", real("top_p", self.top_p, above=0.0, maximum=1.0))
         if self.seed is not None:
-            set_(self, "seed", integer("seed", self.seed, minimum=0))
+            set_(self, "seed", integer("seed", self.seed, minimum=MIN_SEED))
         set_(self, "max_tokens", integer("max_tokens", self.max_tokens, minimum=1))
         set_(self, "stop", strings("stop", self.stop))
         set_(self, "stop_token_ids", integers("stop_token_ids", self.stop_token_ids, minimum=0))

@@ -81,7 +81,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, sequences: int = 1):
         self.params = params
-        self.rngs = [np.random.default_rng(params.seed) for _ in range(sequences)]
+        seed = None if params.seed is None else params.seed % 2**64  # numpy takes no negative seed
+        self.rngs = [np.random.default_rng(seed) for _ in range(sequences)]
 
     def __call__(self, logits: np.ndarray, sequence_of_row: list[int] | None = None) -> np.ndarray:
         """logits [B,V] → token ids [B]; row i belongs to sequence sequence_of_row[i] (default: row i)."""

@@ -161,7 +161,7 @@ def test_generate_ids_takes_numpy(engines, kind):
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=float("nan")), "top_p"),
     (dict(seed=1.5), "seed"),
-    (dict(seed=-1), "seed"),
+    (dict(seed=-2**63 - 1), "seed"),
     (dict(seed=True), "seed"),
     (dict(stop=5), "stop"),
     (dict(stop=[5]), "stop"),
@@ -208,16 +208,21 @@ def test_a_refused_prompt_of_a_batch_is_named(engines, kind, contiguous):
 def test_stream_checks_its_arguments_when_called(engines):
     """stream() raises at the call, not at the first next(): a server can answer the error before streaming."""
     with pytest.raises(FxllmError, match="seed"):
-        engines["paged"].stream("Paris is", temperature=1.0, seed=-1)
+        engines["paged"].stream("Paris is", temperature=1.0, seed=-2**64)
     pieces = list(engines["paged"].stream("Paris is", max_new_tokens=5))
     assert "".join(pieces) == engines["paged"].generate("Paris is", max_new_tokens=5).text
 
 
 # -- 6: user errors are exit status 1 -----------------------------------------------------------------------------
 
-def test_negative_seed_is_a_user_error(contiguous):
+def test_a_seed_below_int64_is_a_user_error_and_a_negative_one_samples(contiguous):
+    """OpenAI's API and vLLM take any int64 seed: -1 was refused ("seed must be >= 0"), which failed clients that
+    send one. A negative seed samples reproducibly, as seed mod 2**64; one below -2**63 is an error."""
     assert_one_line_error(*cli("generate", str(contiguous), "--prompt", "hi", "--temperature", "1", "--seed",
-                               "-1")[::2], "seed must be >= 0, got -1")
+                               str(-2**63 - 1))[::2], f"seed must be >= {-2**63}, got {-2**63 - 1}")
+    runs = [json.loads(cli("generate", str(contiguous), "--prompt", "hi", "--temperature", "1", "--seed", seed,
+                           "--max-new-tokens", "8", "--json")[1])["token_ids"] for seed in ("-1", "-1", str(2**64 - 1))]
+    assert runs[0] == runs[1] == runs[2]
 
 
 def test_prompt_that_is_not_utf8_is_a_user_error(contiguous):
