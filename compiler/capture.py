@@ -242,6 +242,9 @@ def sample_inputs(batch: int = SAMPLE_BATCH, tokens: int = SAMPLE_TOKENS, vocab:
     return input_ids, position_ids
 
 
+INPUT_IDS_SIZE = "L['input_ids'].size()[1]"  # torch.export's name for the tokens dim in a guard
+
+
 def _export_failure(exc: Exception) -> str:
     """Why torch.export refused the model, in one line: a guard on the sequence length or a data-dependent branch
     is named as what the model's code does; anything else is torch's message, shortened."""
@@ -257,9 +260,6 @@ def _export_failure(exc: Exception) -> str:
         return (f"its forward branches on or sizes tensors by their values (data-dependent: "
                 f"{expression.group(1).rstrip('.,')}), which a compiled graph cannot")
     return f"{type(exc).__name__}: {text[:600]}"
-
-
-INPUT_IDS_SIZE = "L['input_ids'].size()[1]"
 
 
 def capture(model: torch.nn.Module) -> Capture:

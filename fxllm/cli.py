@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-compile", action="store_true", help="backend torch: run the program through torch.compile")
     p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
     p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
-    p.add_argument("--max-batch", type=int, default=64, help="most requests decoded at once (paged artifacts: continuous batching)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="most requests decoded at once (paged artifacts: continuous batching)")
     _max_tokens_per_step_flag(p)
     _activation_flags(p)
 
