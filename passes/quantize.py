@@ -8,6 +8,7 @@ ONNX DequantizeLinear → MatMul (+ the offset term). Methods: int8, int4-rtn (r
 int4-awq (calibrated).
 With lm_head=int8|int4 the logits linear too (blocked, also for int8); with embedding=int8|int4:
 embedding(W, ids) → dequant_embedding(codes, scales, ids) (Gather of rows, then DequantizeLinear).
+Mixture-of-experts routers stay float; the experts are rounded to nearest (compiler/quant/experts.py).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
         return _keep_gguf_blocks(program)
     head = _logits_linear(program)
     linears = [n for n in program.graph.nodes if n.target is aten.linear.default and n is not head
-               and constant(program, n.args[1]) is not None]
+               and constant(program, n.args[1]) is not None and not _routes_experts(n)]
     main_fmt = QuantFormat(8, 0) if method == "int8" else int4_format(group_size, zero_point)
     formats = {n: main_fmt for n in linears}
     if head is not None and lm_head != "float":
@@ -127,6 +128,12 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
                             f"({program.spec.architecture})")
     layers += expert_rows
     program.spec.notes += [f"quantize: {note}" for note in expert_notes]
+    if expert_rows and method in CALIBRATED:
+        program.spec.notes.append(f"quantize: mixture-of-experts weights rounded to nearest ({method} calibrates the "
+                                  "dense linears only)")
+    routers = sum(1 for n in program.graph.nodes if n.target is aten.linear.default and _routes_experts(n))
+    if routers:
+        program.spec.notes.append(f"quantize: {routers} mixture-of-experts routers kept float")
     drop_unused_attributes(program)
     program.spec.notes.append(
         f"quantize: {method}" + (f", group size {group_size}" + (", asymmetric" if zero_point else "")
@@ -150,6 +157,20 @@ def _report_tokens(program: Program, calib: str, samples: int, seq_len: int) -> 
         return calibration_tokens(program.tokenizer, text, samples, seq_len, source)
     except FxllmError:
         return None
+
+
+def _routes_experts(linear: torch.fx.Node, depth: int = 8) -> bool:
+    """Whether a linear is a mixture-of-experts router: its output reaches a top-k within `depth` nodes (linear →
+    softmax → topk, or with a bias, a sigmoid, a cast between). Routers stay float, as AutoAWQ and llama.cpp keep
+    them: they are [experts × hidden], a rounding of their logits moves tokens to other experts (a discrete error),
+    and the experts themselves see the tokens the float router chose."""
+    frontier, seen = [linear], set()
+    for _ in range(depth):
+        frontier = [user for node in frontier for user in node.users if user not in seen]
+        seen.update(frontier)
+        if any(node.target is aten.topk.default for node in frontier):
+            return True
+    return False
 
 
 def _check_options(method: str, group_size: int, lm_head: str, embedding: str) -> None:

@@ -382,3 +382,29 @@ def test_a_calibration_text_too_short_is_refused_before_the_passes(make_tiny_mod
     with pytest.raises(PipelineError, match=r"the calibration text '.*short\.txt' has \d+ tokens; 16 samples"):
         fxllm.compile(make_tiny_model("llama"), tmp_path / "out", quant="int4-gptq", quant_options={"calib": str(short)})
     assert not (tmp_path / "out").exists()
+
+
+def test_mixture_of_experts_routers_stay_float(tmp_path):
+    """A router (linear → softmax → top-k) rounded to int4 moves tokens to other experts, a discrete error the
+    experts' own rounding does not make; it is [experts × hidden], nothing to save. AutoAWQ and llama.cpp keep it
+    float, and so does the quantize pass, saying so in the artifact's notes, with the experts' rounding."""
+    from tests.gguf_files import tiny_hf_model
+
+    source = resolve_source(tiny_hf_model("qwen3moe", tmp_path / "moe"))
+    program = capture(load_model(source)).program
+    program.tokenizer = load_tokenizer(source)
+    pipeline = build_pipeline(parse_pipeline("quantize:method=int4-rtn;group_size=32,kv-cache"))
+    program, _ = run_pipeline(program, pipeline)
+    left = [n for n in program.graph.nodes if n.target is torch.ops.aten.linear.default]
+    routers = [n for n in left if any(u.target is torch.ops.aten.topk.default for u in _within(n, 8))]
+    assert len(routers) == program.spec.num_layers == len(left) - 1  # a router a layer, and the float lm_head
+    assert f"quantize: {len(routers)} mixture-of-experts routers kept float" in program.spec.notes
+    assert any(n.target is torch.ops.fxllm.dequant_linear.default for n in program.graph.nodes)
+
+
+def _within(node, depth):
+    frontier, seen = [node], []
+    for _ in range(depth):
+        frontier = [user for n in frontier for user in n.users]
+        seen += frontier
+    return seen
