@@ -81,7 +81,9 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, sequences: int = 1):
         self.params = params
-        seed = None if params.seed is None else params.seed % 2**64  # numpy takes no negative seed
+        seed = params.seed
+        if seed is not None and seed < 0:  # numpy takes no negative seed: an int64 one as its uint64 bits
+            seed %= 2**64
         self.rngs = [np.random.default_rng(seed) for _ in range(sequences)]
 
     def __call__(self, logits: np.ndarray, sequence_of_row: list[int] | None = None) -> np.ndarray:
