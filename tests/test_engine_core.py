@@ -236,7 +236,7 @@ def test_bad_input_is_refused_at_once_and_the_core_keeps_running(paged_artifact,
         assert "\n" not in str(raised.value) and getattr(raised.value, "param", None) == param
     for kwargs, name in (({"temperature": float("nan")}, "temperature"), ({"top_p": 1.5}, "top_p"),
                          ({"max_tokens": 0}, "max_tokens"), ({"logprobs": 21}, "logprobs"),
-                         ({"stop": [3]}, "stop"), ({"seed": -1}, "seed"), ({"top_k": 2.5}, "top_k"),
+                         ({"stop": [3]}, "stop"), ({"seed": -2**63 - 1}, "seed"), ({"top_k": 2.5}, "top_k"),
                          ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"ignore_eos": 1}, "ignore_eos")):
         with pytest.raises(InvalidArgumentError, match=name) as raised:
             SamplingParams(**kwargs)
