@@ -100,8 +100,10 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
     if method == "gguf":
         return _keep_gguf_blocks(program)
     head = _logits_linear(program)
-    linears = [n for n in program.graph.nodes if n.target is aten.linear.default and n is not head
-               and constant(program, n.args[1]) is not None and not _routes_experts(n)]
+    candidates = [n for n in program.graph.nodes if n.target is aten.linear.default and n is not head
+                  and constant(program, n.args[1]) is not None]
+    routers = [n for n in candidates if _routes_experts(n)]
+    linears = [n for n in candidates if n not in routers]
     main_fmt = QuantFormat(8, 0) if method == "int8" else int4_format(group_size, zero_point)
     formats = {n: main_fmt for n in linears}
     if head is not None and lm_head != "float":
@@ -131,9 +133,8 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
     if expert_rows and method in CALIBRATED:
         program.spec.notes.append(f"quantize: mixture-of-experts weights rounded to nearest ({method} calibrates the "
                                   "dense linears only)")
-    routers = sum(1 for n in program.graph.nodes if n.target is aten.linear.default and _routes_experts(n))
     if routers:
-        program.spec.notes.append(f"quantize: {routers} mixture-of-experts routers kept float")
+        program.spec.notes.append(f"quantize: {len(routers)} mixture-of-experts routers kept float")
     drop_unused_attributes(program)
     program.spec.notes.append(
         f"quantize: {method}" + (f", group size {group_size}" + (", asymmetric" if zero_point else "")
