@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from fxllm.errors import ArtifactError
+from fxllm.runtime import huge_pages
 from fxllm.runtime.backend import StepFeeds
 from fxllm.runtime.request_validation import MAX_THREADS
 
@@ -72,10 +73,14 @@ class OrtBackend:
         else:
             options.add_session_config_entry("session.disable_quant_qdq", "1")
         providers = check_providers(providers) or default_providers()
+        on_cpu = providers == ["CPUExecutionProvider"] and huge_pages.enabled()
+        before = huge_pages.anonymous_mappings() if on_cpu else {}
         try:
             self.session = ort.InferenceSession(str(model_path), options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types for bad models
             raise ArtifactError(f"ONNX Runtime cannot load '{model_path}': {exc}") from exc
+        # the weights as the session keeps them (prepacked), on 2 MiB pages: runtime/huge_pages.py
+        self.huge_page_bytes = huge_pages.collapse_new_mappings(before) if on_cpu else 0
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.aliases = dict(aliases or {})
