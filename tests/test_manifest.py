@@ -18,6 +18,7 @@ import fxllm.compiler
 import fxllm.passes
 import fxllm.runtime
 from fxllm.errors import ArtifactError
+from fxllm.runtime import huge_pages
 from fxllm.runtime.artifact import write_manifest
 from fxllm.runtime.contract import MANIFEST_FILE, ModelIO, TensorSig, parse_cache_name
 from fxllm.runtime.inspect import describe_artifact
@@ -324,7 +325,9 @@ def test_mutated_manifests_load_correctly_or_fail_cleanly(original, tmp_path_fac
     (copy / MANIFEST_FILE).write_text(json.dumps(mutated))
 
     code = [Path(module.__file__).resolve().parent for module in (fxllm, fxllm.runtime, fxllm.compiler, fxllm.passes)]
-    allowed = [copy.resolve(), Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), *code]
+    # the process's own memory map and the kernel's THP mode: read for huge pages (runtime/huge_pages.py)
+    memory = [Path("/proc", str(os.getpid())), Path(huge_pages.THP_MODE).parent]
+    allowed = [copy.resolve(), Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), *code, *memory]
     outside: list[str] = []
 
     def audit(event, args):
