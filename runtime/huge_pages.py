@@ -65,8 +65,8 @@ def anonymous_mappings() -> dict[tuple[int, int], int]:
 
 
 def collapse_new_mappings(before: dict[tuple[int, int], int]) -> int:
-    """Move the anonymous mappings made since `before` (anonymous_mappings() then) onto huge pages; the bytes moved.
-    """
+    """Move the anonymous mappings made or grown since `before` (anonymous_mappings() then) onto huge pages.
+    Returns the bytes moved."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     moved = 0
@@ -84,4 +84,3 @@ def collapse_new_mappings(before: dict[tuple[int, int], int]) -> int:
             elif ctypes.get_errno() == errno.EINVAL:  # a kernel before 6.1: no MADV_COLLAPSE at all
                 return moved
     return moved
-
