@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most requests decoded at once (paged artifacts: continuous batching)")
     _max_tokens_per_step_flag(p)
     _activation_flags(p)
+    _speculative_flags(p)
 
     p = commands.add_parser("inspect", help="show an artifact's passes, I/O, sizes, KV-cache cost and bits per "
                                             "quantized weight")
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="backend torch: cpu (default), cuda or cuda:N")
     p.add_argument("--torch-compile", action="store_true", help="backend torch: run the program through torch.compile")
     _activation_flags(p)
+    _speculative_flags(p)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)")
     p.add_argument("--body-timeout", type=float, default=30.0,
@@ -245,6 +247,19 @@ def _max_tokens_per_step_flag(parser: argparse.ArgumentParser) -> None:
                              "iteration's prefill budget)")
 
 
+def _speculative_flags(parser: argparse.ArgumentParser) -> None:
+    """--speculative / --spec-k: fxllm.load's speculative and spec_k."""
+    parser.add_argument("--speculative", choices=sorted(SPECULATIVE_MODES), default="auto",
+                        help="auto: decode with the artifact's draft if it was compiled with one (default); off: "
+                             "without it; ngram: prompt lookup (no draft model), on any artifact")
+    parser.add_argument("--spec-k", type=int, help="tokens speculation proposes per step (1-16; default: the "
+                                                   "artifact's, or 4 with --speculative ngram)")
+
+
+# --speculative → fxllm.load's speculative argument
+SPECULATIVE_MODES = {"auto": True, "off": False, "ngram": "ngram"}
+
+
 def _activations(args) -> bool | None:
     """The int8_activations argument of fxllm.load: an explicit flag, else None (the artifact's recommendation)."""
     return True if args.int8_activations else False if args.float_activations else None
@@ -256,7 +271,8 @@ def cmd_generate(args) -> None:
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,
                         kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
                         max_tokens_per_step=args.max_tokens_per_step, int8_activations=_activations(args),
-                        device=args.device, torch_compile=args.torch_compile)
+                        device=args.device, torch_compile=args.torch_compile,
+                        speculative=SPECULATIVE_MODES[args.speculative], spec_k=args.spec_k)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     if args.json or len(args.prompt) > 1:
@@ -268,9 +284,7 @@ def cmd_generate(args) -> None:
                 print(f"--- {result.prompt!r}\n{result.text}")
         stats = engine.stats()
         if stats.speculative is not None:
-            spec = stats.speculative
-            print(f"[speculative {spec.mode} k={spec.k}: acceptance {spec.acceptance_rate:.0%}, "
-                  f"{spec.tokens_per_target_call:.2f} tokens per target call]", file=sys.stderr)
+            _print_speculation(stats.speculative)
         elif engine.paged:
             print(f"[paged: {stats.decode_steps} decode steps, mean batch {stats.mean_decode_batch:.2f}, "
                   f"peak {stats.peak_kv_blocks_used}/{stats.kv_blocks_total} blocks, "
@@ -285,6 +299,13 @@ def cmd_generate(args) -> None:
         metrics = output.metrics
     print()
     print(f"[prefill {metrics.prefill_ms:.1f} ms, {metrics.inter_token_ms:.1f} ms/token]", file=sys.stderr)
+    if engine.stats().speculative is not None:
+        _print_speculation(engine.stats().speculative)
+
+
+def _print_speculation(spec) -> None:
+    print(f"[speculative {spec.mode} k={spec.k}: acceptance {spec.acceptance_rate:.0%}, "
+          f"{spec.tokens_per_target_call:.2f} tokens per target call]", file=sys.stderr)
 
 
 def cmd_inspect(args) -> int:
@@ -344,7 +365,8 @@ def cmd_serve(args) -> int:
     engine_options = dict(threads=args.threads, backend=args.backend, kv_cache_memory=args.kv_cache_memory,
                           kv_blocks=args.kv_blocks, max_batch=args.max_batch,
                           max_tokens_per_step=args.max_tokens_per_step, int8_activations=_activations(args),
-                          device=args.device, torch_compile=args.torch_compile)
+                          device=args.device, torch_compile=args.torch_compile,
+                          speculative=SPECULATIVE_MODES[args.speculative], spec_k=args.spec_k)
     ray_flags = [flag for flag, given in (("--replicas", args.replicas is not None), ("--autoscale", args.autoscale),
                                           ("--ray-address", args.ray_address), ("--router", args.router != "default"),
                                           ("--replica-cpus", args.replica_cpus != 1.0),

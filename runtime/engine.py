@@ -110,6 +110,10 @@ class Engine:
                 raise InvalidArgumentError(name, f"{name} applies to paged artifacts; '{path}' has a contiguous KV "
                                                  "cache (compile with the `paged` pass to use a KV pool)")
         plan = _speculative_plan(manifest, speculative)
+        if spec_k is not None and plan is None:  # refused, not ignored: the user meant to speculate
+            raise InvalidArgumentError("spec_k", f"spec_k sets how many tokens speculative decoding proposes, and "
+                                                 f"'{path}' decodes without it (an artifact compiled with a draft, "
+                                                 "or speculative='ngram' on any artifact)")
         # Target and draft sessions alternate on the same cores: threads spinning after one session's call
         # would slow the other's (measured: a 5-token verify 105 ms alternating vs 41 ms without spinning).
         # Prompt lookup has no draft session: the target spins as without speculation.

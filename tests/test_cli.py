@@ -181,3 +181,18 @@ def test_device_out_of_memory_is_a_user_error(capsys, monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "inspect", bug)
     code, _, err = run_cli(capsys, "inspect", "somewhere")
     assert code == 2 and err.startswith("fxllm: internal error: RuntimeError: a bug")
+
+
+def test_generate_speculates_as_asked(capsys, make_tiny_artifact):
+    """--speculative ngram (prompt lookup, no draft) on any artifact, with --spec-k: the same greedy tokens, and the
+    speculation's line on stderr; --spec-k on an artifact that does not speculate is one line, not ignored."""
+    artifact = str(make_tiny_artifact("llama"))
+    argv = ["generate", artifact, "--prompt", "one two three one two three one two", "--max-new-tokens", "12"]
+    code, plain, err = run_cli(capsys, *argv)
+    assert code == 0 and "[speculative" not in err
+    code, speculated, err = run_cli(capsys, *argv, "--speculative", "ngram", "--spec-k", "3")
+    assert code == 0 and speculated == plain and "[speculative ngram k=3:" in err
+    code, off, err = run_cli(capsys, *argv, "--speculative", "off")
+    assert code == 0 and off == plain and "[speculative" not in err
+    code, _, err = run_cli(capsys, *argv, "--spec-k", "3")
+    assert_one_line_error(code, err, "decodes without it")
