@@ -113,7 +113,8 @@ class Engine:
         if spec_k is not None and plan is None:  # refused, not ignored: the user meant to speculate
             raise InvalidArgumentError("spec_k", f"spec_k sets how many tokens speculative decoding proposes, and "
                                                  f"'{path}' decodes without it (an artifact compiled with a draft, "
-                                                 "or speculative='ngram' on any artifact)")
+                                                 "or prompt lookup on any artifact: speculative='ngram', "
+                                                 "--speculative ngram)")
         # Target and draft sessions alternate on the same cores: threads spinning after one session's call
         # would slow the other's (measured: a 5-token verify 105 ms alternating vs 41 ms without spinning).
         # Prompt lookup has no draft session: the target spins as without speculation.
