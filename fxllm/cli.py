@@ -247,6 +247,10 @@ def _max_tokens_per_step_flag(parser: argparse.ArgumentParser) -> None:
                              "iteration's prefill budget)")
 
 
+# --speculative → fxllm.load's speculative argument
+SPECULATIVE_MODES = {"auto": True, "off": False, "ngram": "ngram"}
+
+
 def _speculative_flags(parser: argparse.ArgumentParser) -> None:
     """--speculative / --spec-k: fxllm.load's speculative and spec_k."""
     parser.add_argument("--speculative", choices=sorted(SPECULATIVE_MODES), default="auto",
@@ -254,10 +258,6 @@ def _speculative_flags(parser: argparse.ArgumentParser) -> None:
                              "without it; ngram: prompt lookup (no draft model), on any artifact")
     parser.add_argument("--spec-k", type=int, help="tokens speculation proposes per step (1-16; default: the "
                                                    "artifact's, or 4 with --speculative ngram)")
-
-
-# --speculative → fxllm.load's speculative argument
-SPECULATIVE_MODES = {"auto": True, "off": False, "ngram": "ngram"}
 
 
 def _activations(args) -> bool | None:
