@@ -119,7 +119,7 @@ def describe_layers(model: torch.nn.Module, attention: list[dict[str, Any]],
     """Per layer: the attention variant as captured (window, softcap, sinks), the position encoding and QK-norm
     as the config and modules say, and the MoE shape; what `fxllm inspect` prints."""
     config = text_config_of(model.config)
-    rope = _rope_description(config)
+    rope = _rope_description(config, attention[0]["head_dim"])
     if rope != "learned positions" and not any("rotary" in type(module).__name__.lower() for module in model.modules()):
         rope = "absolute positions"  # no rotary module at all (gpt_bigcode's learned, ctrl's sinusoidal positions)
     no_rope = getattr(config, "no_rope_layers", None)
@@ -139,13 +139,14 @@ def describe_layers(model: torch.nn.Module, attention: list[dict[str, Any]],
     return layers
 
 
-def _rope_description(config) -> str:
+def _rope_description(config, head_dim: int) -> str:
+    """The position encoding as the config states it; `head_dim` as captured (gptj and codegen state a rotary_dim
+    and no head size)."""
     if getattr(config, "position_embedding_type", None) == "absolute" or config.model_type in ("gpt2", "opt"):
         return "learned positions"
     rope_parameters = getattr(config, "rope_parameters", None) or {}  # transformers 5 keeps the factor here
     fraction = (getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct", None)
                 or (rope_parameters.get("partial_rotary_factor") if isinstance(rope_parameters, dict) else None))
-    if fraction is None and getattr(config, "rotary_dim", None):  # gptj, codegen: no head_dim field
-        fraction = config.rotary_dim / (getattr(config, "head_dim", None)
-                                         or config.hidden_size // config.num_attention_heads)
+    if fraction is None and getattr(config, "rotary_dim", None):
+        fraction = config.rotary_dim / head_dim
     return f"partial {fraction:.0%}" if fraction is not None and fraction < 1 else "full"
