@@ -3,6 +3,7 @@ switch turns it off."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import sys
@@ -12,6 +13,8 @@ import pytest
 
 import fxllm
 from fxllm.runtime import huge_pages
+
+MADV_NOHUGEPAGE = 15
 
 
 def kernel_collapses() -> bool:
@@ -43,10 +46,22 @@ def numpy_without_huge_pages():
     _set_madvise_hugepage(was)
 
 
+def small_pages_only(array: np.ndarray) -> None:
+    """Advise the whole 2 MiB pages inside untouched `array` MADV_NOHUGEPAGE: on 4 KiB pages once written, whatever
+    the THP mode (a machine in `always` mode would otherwise give them huge pages as they fault in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = -(-array.ctypes.data // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE
+    end = (array.ctypes.data + array.nbytes) // huge_pages.HUGE_PAGE * huge_pages.HUGE_PAGE
+    assert libc.madvise(start, end - start, MADV_NOHUGEPAGE) == 0, os.strerror(ctypes.get_errno())
+
+
 def test_new_memory_is_collapsed_and_keeps_its_contents(numpy_without_huge_pages):
     before = huge_pages.anonymous_mappings()
-    # 40 MiB, written: above glibc's largest mmap threshold (32 MiB), so a mapping of its own
-    weights = np.random.default_rng(0).standard_normal(10 << 20, dtype=np.float32)
+    # 40 MiB: above glibc's largest mmap threshold (32 MiB), so a mapping of its own, untouched until written
+    weights = np.empty(10 << 20, dtype=np.float32)
+    small_pages_only(weights)
+    np.random.default_rng(0).standard_normal(out=weights, dtype=np.float32)
     expected = weights.copy()
     assert huge_bytes_under(weights) == 0
     moved = huge_pages.collapse_new_mappings(before)
