@@ -72,6 +72,11 @@ class Variant:
     manifest: dict[str, Any]
 
     @property
+    def quantized(self) -> bool:
+        """Quantized matmul weights: --int8-activations applies (fxllm.load refuses it on a float artifact)."""
+        return "quantized" in self.manifest["facts"]
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return ModelSpec.from_dict(self.manifest["spec"]).kv_bytes_per_token()
 
@@ -527,8 +532,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                  for context in args.contexts]
     for work in workloads:
         check_fits(work, variants, parser)
-    runners = [fxllm_runner(variant, args.threads, True if args.int8_activations else None, args.in_process)
-               for variant in variants]
+    runners = [fxllm_runner(variant, args.threads, True if args.int8_activations and variant.quantized else None,
+                            args.in_process) for variant in variants]
     runners += [ortgenai_runner(variant, args.ortgenai_python, args.threads) for variant in args.ortgenai]
     runners += [llamacpp_runner(Path(path), args.threads) for path in args.llamacpp]
     if not args.skip_transformers:

@@ -40,6 +40,10 @@ class Scorer:
         else:
             from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source
 
+            if int8_activations:  # refused, not ignored: transformers runs its own float matmuls
+                raise InvalidArgumentError("int8_activations", f"int8_activations (--int8-activations) applies to "
+                                           f"quantized artifacts, and '{model}' is not an artifact (a model "
+                                           "transformers runs in float)")
             source = resolve_source(model)
             self.model = load_model(source)
             self.tokenizer = load_tokenizer(source)

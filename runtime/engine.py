@@ -115,6 +115,11 @@ class Engine:
                                                  f"'{path}' decodes without it (an artifact compiled with a draft, "
                                                  "or prompt lookup on any artifact: speculative='ngram', "
                                                  "--speculative ngram)")
+        if int8_activations and not _has_quantized_weights(manifest, plan):  # refused, not ignored: nothing to quantize
+            raise InvalidArgumentError("int8_activations", f"int8_activations (--int8-activations) applies to "
+                                       f"quantized artifacts, and '{path}' has float weights"
+                                       f"{' (its draft too)' if plan is not None and plan.draft else ''}: compile "
+                                       "with --quant METHOD, or from a GGUF's own quantized blocks")
         # Target and draft sessions alternate on the same cores: threads spinning after one session's call
         # would slow the other's (measured: a 5-token verify 105 ms alternating vs 41 ms without spinning).
         # Prompt lookup has no draft session: the target spins as without speculation.
@@ -320,6 +325,13 @@ def _speculative_plan(manifest: Manifest, speculative: bool | str) -> Speculativ
         return SpeculativePlan("ngram", plan.k if plan is not None else DEFAULT_NGRAM_K, None)
     raise InvalidArgumentError("speculative", "speculative must be True (the artifact's draft, if any), False or "
                                               f"'ngram', got {describe(speculative)}")
+
+
+def _has_quantized_weights(manifest: Manifest, plan: SpeculativePlan | None) -> bool:
+    """The artifact, or the model draft it speculates with, has quantized matmul weights (int8 activations apply)."""
+    if "quantized" in manifest.facts:
+        return True
+    return plan is not None and plan.draft is not None and "quantized" in load_manifest(plan.draft, verify=False).facts
 
 
 def _speculator(runner: ModelRunner, paged: bool, max_context: int, speculative):

@@ -1,6 +1,7 @@
 """A compile option given two values (in --passes and in --pass-option, --kv-heads or --quant; or one --pass-option
 twice) is refused before any work: the last value used to win silently, so the artifact was not the one asked for.
-Likewise an empty --served-model-name, which used to fall back to the default name without a word."""
+Likewise an empty --served-model-name, which used to fall back to the default name without a word, and int8
+activations asked of an artifact that has nothing quantized."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import json
 
 import pytest
 
+import fxllm
 from fxllm.cli import main
 from fxllm.compiler.pipeline import build_pipeline, parse_pipeline
-from fxllm.errors import PipelineError
+from fxllm.errors import InvalidArgumentError, PipelineError
 
 PASSES_WITH_KV_HEADS_1 = "cleanup,gqa:kv_heads=1,fuse-projections,select-logits,kv-cache"
 
@@ -65,6 +67,27 @@ def test_int8_activations_without_quantization_is_refused(capsys, make_tiny_mode
     message = _one_line_error(capsys, ["compile", str(make_tiny_model("llama")), "-o", str(output),
                                        "--int8-activations"])
     assert "--int8-activations applies to quantized artifacts" in message and not output.exists()
+
+
+def test_int8_activations_on_a_float_artifact_is_refused_at_load(capsys, make_tiny_artifact):
+    """`fxllm generate FLOAT_ARTIFACT --int8-activations` (and fxllm.load's int8_activations=True) ran float
+    activations without a word: nothing in a float artifact is quantized. Float activations stay accepted (they are
+    what it runs)."""
+    artifact = make_tiny_artifact("llama")
+    with pytest.raises(InvalidArgumentError, match="applies to quantized artifacts, and .* has float weights"):
+        fxllm.load(artifact, int8_activations=True)
+    assert fxllm.load(artifact, int8_activations=False).generate("Paris is", max_new_tokens=2).token_ids
+    message = _one_line_error(capsys, ["generate", str(artifact), "--prompt", "hi", "--int8-activations"])
+    assert "--int8-activations) applies to quantized artifacts" in message
+
+
+def test_int8_activations_on_a_transformers_model_is_refused(capsys, make_tiny_model, tmp_path):
+    """`fxllm eval HF_MODEL --int8-activations` scored in float without a word."""
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    message = _one_line_error(capsys, ["eval", str(make_tiny_model("llama")), "--text", str(text),
+                                       "--int8-activations"])
+    assert "--int8-activations) applies to quantized artifacts" in message and "is not an artifact" in message
 
 
 @pytest.mark.parametrize("flag", ["--max-new", "--max-tokens-per", "--temp"])
