@@ -3,7 +3,7 @@ switch turns it off."""
 
 from __future__ import annotations
 
-import ctypes
+import mmap
 import os
 import re
 import sys
@@ -13,8 +13,6 @@ import pytest
 
 import fxllm
 from fxllm.runtime import huge_pages
-
-MADV_NOHUGEPAGE = 15
 
 
 def kernel_collapses() -> bool:
@@ -36,31 +34,21 @@ def huge_bytes_under(array: np.ndarray) -> int:
     return huge
 
 
-@pytest.fixture
-def numpy_without_huge_pages():
-    """numpy advises huge pages for its own large arrays; ONNX Runtime's allocations, which this is for, get none."""
-    from numpy._core.multiarray import _set_madvise_hugepage
-
-    was = _set_madvise_hugepage(False)
-    yield
-    _set_madvise_hugepage(was)
-
-
-def small_pages_only(array: np.ndarray) -> None:
-    """Advise the whole 2 MiB pages inside untouched `array` MADV_NOHUGEPAGE: on 4 KiB pages once written, whatever
-    the THP mode (a machine in `always` mode would otherwise give them huge pages as they fault in)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = -(-array.ctypes.data // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE
-    end = (array.ctypes.data + array.nbytes) // huge_pages.HUGE_PAGE * huge_pages.HUGE_PAGE
-    assert libc.madvise(start, end - start, MADV_NOHUGEPAGE) == 0, os.strerror(ctypes.get_errno())
+def fresh_small_page_memory(size: int) -> mmap.mmap:
+    """A new private anonymous mapping (as ONNX Runtime's large allocations are), advised MADV_NOHUGEPAGE before its
+    first touch: on 4 KiB pages once written, whatever the THP mode (`always` would give huge pages as it faults in)
+    and whatever memory the allocator holds (np.empty in a long-lived process reused memory already on huge pages)."""
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return memory
 
 
-def test_new_memory_is_collapsed_and_keeps_its_contents(numpy_without_huge_pages):
+def test_new_memory_is_collapsed_and_keeps_its_contents():
+    if not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        pytest.skip("transparent huge pages are Linux's")
     before = huge_pages.anonymous_mappings()
-    # 40 MiB: above glibc's largest mmap threshold (32 MiB), so a mapping of its own, untouched until written
-    weights = np.empty(10 << 20, dtype=np.float32)
-    small_pages_only(weights)
+    memory = fresh_small_page_memory(40 << 20)
+    weights = np.frombuffer(memory, dtype=np.float32)
     np.random.default_rng(0).standard_normal(out=weights, dtype=np.float32)
     expected = weights.copy()
     assert huge_bytes_under(weights) == 0
