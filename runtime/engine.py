@@ -93,7 +93,8 @@ class Engine:
         iteration's admission budget; `prefix_caching` shares full KV blocks between requests with a common
         prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize
         activations to int8 (faster, slightly less exact); default: what the artifact recommends (float
-        activations unless it was compiled with --int8-activations). Artifacts compiled with a draft decode
+        activations unless it was compiled with --int8-activations); True where neither the artifact nor its draft
+        has quantized weights is an InvalidArgumentError. Artifacts compiled with a draft decode
         speculatively unless speculative=False; speculative="ngram" decodes any artifact with prompt lookup (no
         draft model, nothing to compile; k 4 unless the artifact names one); spec_k overrides k. unrolled_draft:
         a model draft proposes its k tokens in one call of its unrolled graph (True), or one call per token
