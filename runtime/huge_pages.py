@@ -6,7 +6,9 @@ virtual machine). This machine's THP mode is `madvise`, so nothing of ONNX Runti
 asked: SmolLM2's fp32 decode step measured 0.93x (median of six paired processes) with its memory collapsed, the
 GGUF-exact one 0.73-0.94x, a 1 GiB read 20 → 23-26 GB/s (docs/targets.md). ONNX Runtime's allocations cannot be
 advised before they are made, so the mappings the session created are collapsed afterwards (MADV_COLLAPSE, Linux
-6.1+), 2 MiB at a time (one call over a long range measured slower), ~1-2 s for 570 MB here.
+6.1+), 2 MiB at a time (one call over a long range measured slower), ~1-2 s for 570 MB here. In THP mode `always`
+the kernel backs only part of it by itself (SmolLM2 fp32: 238-244 of 600 MiB; 530 MiB after the collapse, +0.7 s of
+load; an AMD EPYC VM, 2026-12-07).
 
 Only private anonymous mappings of at least 4 MiB that appeared or changed while the session loaded and are at
 least 90% resident are touched (a sparse one would grow when collapsed). Anything the kernel refuses (an older
