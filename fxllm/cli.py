@@ -299,8 +299,9 @@ def cmd_generate(args) -> None:
         metrics = output.metrics
     print()
     print(f"[prefill {metrics.prefill_ms:.1f} ms, {metrics.inter_token_ms:.1f} ms/token]", file=sys.stderr)
-    if engine.stats().speculative is not None:
-        _print_speculation(engine.stats().speculative)
+    speculation = engine.stats().speculative
+    if speculation is not None:
+        _print_speculation(speculation)
 
 
 def _print_speculation(spec) -> None:
