@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
+from fxllm.runtime.write_leftovers import remove_leftovers
 from fxllm.compiler.dump import clear_previous_dump
 from fxllm.compiler.gguf_cache import sharing_gguf_readers
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
@@ -68,8 +69,9 @@ def compile_model(
     OUTPUT: it is replaced only when it is an fxllm artifact holding nothing else (runtime/artifact.py check_output),
     and the hidden staging directory next to it is created first, so an unwritable location fails at once. A
     failure or an interruption (SIGINT, SIGTERM, SIGHUP: Interrupted) removes the staging directory and leaves
-    OUTPUT as it was. With `draft` (see compiler/draft.py) the artifact also holds a draft model for speculative
-    decoding with `spec_k` proposed tokens per step. `keep_layers` keeps only the first N decoder layers
+    OUTPUT as it was; what a SIGKILLed compile to OUTPUT left next to it is cleaned up first, with a note on
+    stderr (runtime/write_leftovers.py). With `draft` (see compiler/draft.py) the artifact also holds a draft model
+    for speculative decoding with `spec_k` proposed tokens per step. `keep_layers` keeps only the first N decoder layers
     (self-layers drafts). `quant` (int8, int4-rtn, int4-gptq, int4-awq) with `quant_options` (group_size, calib,
     lm_head, embedding, zero_point) adds the quantize pass (see pipeline.place_quantization). A GGUF source keeps its
     own quantized blocks exactly under the default pipeline unless `requantize`. `int8_activations` makes a
@@ -112,7 +114,8 @@ def compile_model(
     if draft_source is not None:
         check_supported(draft_source)
     check_supported(source)
-    _check_dump_dir(dump_dir, check_output(output))
+    resolved_output = check_output(output)
+    _check_dump_dir(dump_dir, resolved_output)
     report = CompileReport(Path(output))
 
     def timed(phase: str, message: str, function, *args, **kwargs):
@@ -122,6 +125,8 @@ def compile_model(
         report.seconds[phase] = time.perf_counter() - start
         return result
 
+    for cleaned in remove_leftovers(resolved_output):  # what SIGKILLed compiles to this output left behind
+        print(f"fxllm: note: {cleaned}", file=sys.stderr)
     with staging_directory(output) as stage:  # also turns SIGINT/SIGTERM/SIGHUP into a clean Interrupted
         torch_model = timed("load", f"loading {source.name}", load_model, source)
         tokenizer = load_tokenizer(source)

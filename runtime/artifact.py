@@ -3,7 +3,9 @@
 Written into a temporary sibling directory and renamed into place at the end, so a failed or interrupted compile
 never leaves a directory that looks valid. An existing output directory is replaced only when it is an fxllm artifact
 by its own manifest's marker ("kind": "fxllm-artifact") and holds nothing the manifest does not own: a compile never
-deletes a user's files. Reading and validating a manifest is runtime/manifest.py's job.
+deletes a user's files. What a SIGKILLed compile leaves behind is named after its writer and cleaned up by the next
+compile to the same output (runtime/write_leftovers.py). Reading and validating a manifest is runtime/manifest.py's
+job.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from fxllm.errors import ArtifactError
 from fxllm.runtime.contract import ARTIFACT_KIND, FORMAT_VERSION, MANIFEST_FILE
 from fxllm.runtime.interruption import held_back, interruptible
+from fxllm.runtime.write_leftovers import RETIRED, STAGING, owned_prefix
 
 _MAX_MANIFEST_BYTES = 16 << 20  # a manifest is kilobytes; a bigger "manifest.json" is somebody else's file
 
@@ -181,7 +184,7 @@ def _free_space(directory: Path) -> str:
 def _create_staging(output: Path) -> Path:
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+        staging = Path(tempfile.mkdtemp(prefix=owned_prefix(output, STAGING), dir=output.parent))
     except OSError as exc:
         raise ArtifactError(f"cannot write the output directory '{output}': {exc.strerror or exc}") from exc
     staging.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; an artifact is as readable as any new directory
@@ -193,7 +196,7 @@ def _swap_into_place(staging: Path, output: Path) -> None:
         os.replace(staging, output)
         return
     # Move the old artifact aside first, so at every instant `output` is either old or new, never half.
-    retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
+    retired = Path(tempfile.mkdtemp(prefix=owned_prefix(output, RETIRED), dir=output.parent))
     os.replace(output, retired / "artifact")
     try:
         os.replace(staging, output)
