@@ -8,6 +8,9 @@ import asyncio
 import functools
 import http.server
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -82,6 +85,30 @@ def test_a_corrupt_or_missing_file_fails_and_leaves_no_copy(serve_artifact, http
     with pytest.raises(ArtifactError) as unknown:
         local_artifact("nosuchscheme://bucket/artifact", cache)
     assert "\n" not in str(unknown.value)
+
+
+def test_a_copy_killed_midway_is_cleaned_up_by_the_next(serve_artifact, tmp_path):
+    """A replica SIGKILLed (the OOM killer) while it copies leaves its hidden staging directory; the next replica to
+    copy that artifact removes it, and the copy it makes is complete."""
+    cache = tmp_path / "cache"
+    source = f"file://{serve_artifact}"
+    code = (
+        "import os, sys\n"
+        "import fxllm.serving.ray.artifacts as artifacts\n"
+        "real = artifacts._fetch_checked\n"
+        "def fetch(*args):\n"
+        "    real(*args)\n"
+        "    os.kill(os.getpid(), 9)  # after the first file\n"
+        "artifacts._fetch_checked = fetch\n"
+        "artifacts.local_artifact(sys.argv[1], artifacts.Path(sys.argv[2]))\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", code, source, str(cache)], capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    [left] = [p for p in cache.iterdir() if p.is_dir()]
+    assert left.name.startswith(".") and any(left.rglob("*"))
+    copy = local_artifact(source, cache)
+    assert (copy / COMPLETE).is_file()
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == [copy.name]
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@
   keyed by the SHA-256 of its manifest.json (which lists every file's SHA-256, so it names the content): first the
   manifest, then each file it lists, each checked against its checksum as it arrives, the whole copy validated
   with the runtime's own manifest checks before it is renamed into place. Replicas on the same node wait for the
-  one that copies (a file lock) and reuse its copy; a later deployment of the same artifact copies nothing.
+  one that copies (a file lock) and reuse its copy; a later deployment of the same artifact copies nothing. What a
+  replica killed mid-copy left (its hidden staging directory) is removed by the next one that copies.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def local_artifact(source: str, cache: Path | None = None) -> Path:
 
 
 def _copy(source: str, manifest_bytes: bytes, target: Path) -> None:
+    """Copy `source` into `target` through a hidden staging directory, verified before it is renamed into place;
+    the caller holds the target's lock, so staging directories of the target found here are a dead replica's."""
     try:
         manifest = json.loads(manifest_bytes.decode("utf-8"))
         files = manifest["files"]
@@ -69,6 +72,8 @@ def _copy(source: str, manifest_bytes: bytes, target: Path) -> None:
             raise TypeError
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
         raise ArtifactError(f"'{source}' has no valid fxllm {MANIFEST_FILE}") from None
+    for leftover in target.parent.glob(f".{target.name}-*"):  # a replica killed mid-copy (SIGKILL, OOM): the
+        shutil.rmtree(leftover, ignore_errors=True)  # caller holds this target's lock, so no copy is live
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         for name, entry in files.items():
