@@ -4,6 +4,7 @@ architecture saved as Hugging Face directories, and their compiled artifacts —
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,35 @@ def make_tiny_artifact(tmp_path_factory, make_tiny_model):
         return cache[arch]
 
     return make
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under `directory` by relative path, with its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def hidden_entries(parent: Path) -> list[str]:
+    """The names starting with '.' in `parent` (where staging and retired directories live), sorted."""
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+@pytest.fixture
+def artifact_copy(make_tiny_artifact, tmp_path) -> Path:
+    """A private copy of the tiny llama artifact (compiled by this fxllm: it carries the marker)."""
+    copy = tmp_path / "artifact"
+    shutil.copytree(make_tiny_artifact("llama"), copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def broken_model(make_tiny_model, tmp_path_factory) -> Path:
+    """The tiny llama's directory with its weights replaced by garbage: resolving it and reading its config work,
+    loading it fails. A compile that reports an output problem with this model found it before loading."""
+    directory = tmp_path_factory.mktemp("broken-model")
+    shutil.copytree(make_tiny_model("llama"), directory, dirs_exist_ok=True)
+    for weights in directory.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    return directory
 
 
 TINY_PAGED_PASSES = "cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size=4"

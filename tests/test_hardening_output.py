@@ -19,6 +19,7 @@ import pytest
 from fxllm.cli import main
 from fxllm.errors import ArtifactError
 from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
+from tests.conftest import hidden_entries, snapshot
 
 # Only names the code before issue #16 already had are imported at module level: run against that code, every
 # regression test here fails on its own assertion rather than on an import.
@@ -38,33 +39,6 @@ def assert_one_line_error(code: int, err: str, pattern: str) -> None:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fxllm: error: "), err
     assert pattern in lines[0], lines[0]
-
-
-def snapshot(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def hidden_entries(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
-
-
-@pytest.fixture
-def artifact_copy(make_tiny_artifact, tmp_path) -> Path:
-    """A private copy of the tiny llama artifact (compiled by this fxllm: it carries the marker)."""
-    copy = tmp_path / "artifact"
-    shutil.copytree(make_tiny_artifact("llama"), copy)
-    return copy
-
-
-@pytest.fixture(scope="module")
-def broken_model(make_tiny_model, tmp_path_factory) -> Path:
-    """The tiny llama's directory with its weights replaced by garbage: resolving it and reading its config work,
-    loading it fails. A compile that reports an output problem with this model found it before loading."""
-    directory = tmp_path_factory.mktemp("broken-model")
-    shutil.copytree(make_tiny_model("llama"), directory, dirs_exist_ok=True)
-    for weights in directory.glob("*.safetensors"):
-        weights.write_bytes(b"not a safetensors file")
-    return directory
 
 
 # -- 1: data loss -------------------------------------------------------------------------------------------------

@@ -5,25 +5,14 @@ back (runtime/write_leftovers.py)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import pytest
 
 from fxllm.cli import main
 from fxllm.runtime.write_leftovers import STAGING, remove_leftovers
-
-
-def hidden(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
-
-
-def snapshot(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+from tests.conftest import hidden_entries, snapshot
 
 
 def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
@@ -40,22 +29,15 @@ with staging_directory(sys.argv[1]) as stage:
 """
 
 
-@pytest.fixture
-def artifact_copy(make_tiny_artifact, tmp_path) -> Path:
-    copy = tmp_path / "artifact"
-    shutil.copytree(make_tiny_artifact("llama"), copy)
-    return copy
-
-
 def test_a_killed_compile_s_staging_directory_is_removed_by_the_next(tmp_path):
     output = tmp_path / "out"
     result = run_python(KILLED_WHILE_WRITING, str(output))
     assert result.returncode == -signal.SIGKILL, result.stderr
-    [left] = hidden(tmp_path)
+    [left] = hidden_entries(tmp_path)
     assert left.startswith(".out.staging-") and not output.exists()
     done = remove_leftovers(output)
     assert len(done) == 1 and "staging directory" in done[0] and left in done[0], done
-    assert hidden(tmp_path) == [] and not output.exists()
+    assert hidden_entries(tmp_path) == [] and not output.exists()
     assert remove_leftovers(output) == []  # nothing left to do
 
 
@@ -66,16 +48,16 @@ def test_a_live_writer_s_staging_directory_is_kept(tmp_path):
     writer = subprocess.Popen([sys.executable, "-c", code, str(output)], stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().strip() == "in"
-        [left] = hidden(tmp_path)
+        [left] = hidden_entries(tmp_path)
         assert remove_leftovers(output) == []
-        assert hidden(tmp_path) == [left]
+        assert hidden_entries(tmp_path) == [left]
     finally:
         writer.send_signal(signal.SIGTERM)  # its own cleanup removes the staging directory
         writer.wait(timeout=30)
     deadline = time.monotonic() + 10
-    while hidden(tmp_path) and time.monotonic() < deadline:
+    while hidden_entries(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert hidden(tmp_path) == []
+    assert hidden_entries(tmp_path) == []
 
 
 def test_a_swap_killed_between_its_renames_gets_the_previous_artifact_back(artifact_copy):
@@ -99,12 +81,12 @@ with artifact.staging_directory(output) as stage:
     result = run_python(code, str(artifact_copy))
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert not artifact_copy.exists()  # killed between the two renames
-    assert len(hidden(artifact_copy.parent)) == 2  # the new artifact's staging and the old one's retired copy
+    assert len(hidden_entries(artifact_copy.parent)) == 2  # the new artifact's staging and the old one's retired copy
     done = remove_leftovers(artifact_copy)
     assert any("restored the previous artifact" in line for line in done), done
     assert any("staging directory" in line for line in done), done
     assert snapshot(artifact_copy) == before
-    assert hidden(artifact_copy.parent) == []
+    assert hidden_entries(artifact_copy.parent) == []
 
 
 def test_directories_that_are_not_a_dead_writer_s_of_this_output_are_kept(tmp_path):
@@ -126,20 +108,15 @@ def test_directories_that_are_not_a_dead_writer_s_of_this_output_are_kept(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, f".out.{STAGING}-{tag}file"])
 
 
-def test_compile_cleans_up_before_it_writes_and_says_so(capsys, tmp_path, make_tiny_model):
+def test_compile_cleans_up_before_it_writes_and_says_so(capsys, tmp_path, broken_model):
     """A compile to an output with a dead writer's staging directory next to it removes it (a note on stderr) and
     goes on; here its model cannot be loaded, which fails as before, after the cleanup."""
-    broken = tmp_path / "broken"
-    shutil.copytree(make_tiny_model("llama"), broken)
-    for weights in broken.glob("*.safetensors"):
-        weights.write_bytes(b"not a safetensors file")
     output = tmp_path / "out"
     assert run_python(KILLED_WHILE_WRITING, str(output)).returncode == -signal.SIGKILL
-    assert len(hidden(tmp_path)) == 1
+    assert len(hidden_entries(tmp_path)) == 1
     capsys.readouterr()
-    code = main(["compile", str(broken), "-o", str(output)])
+    code = main(["compile", str(broken_model), "-o", str(output)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[0].startswith("fxllm: note: removed '.out.staging-"), err
     assert err[-1].startswith("fxllm: error: "), err
-    assert hidden(tmp_path) == [] and not output.exists()
-    assert not os.path.lexists(output)
+    assert hidden_entries(tmp_path) == [] and not os.path.lexists(output)
