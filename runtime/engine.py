@@ -31,11 +31,14 @@ from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
 
 DEFAULT_NGRAM_K = 4  # prompt lookup asked for at load time on an artifact compiled without a draft
-# Prompt tokens a call computes when max_tokens_per_step is not given. Paged: each iteration's admission budget
-# and chunk (more admitted per iteration, fewer decode steps between admissions). Contiguous: the size of each
-# prefill call: on CPU the projections are as fast at 256 rows as at more, and a smaller call scores fewer masked
-# keys (SmolLM2 fp32, 1,035 prompt tokens: 0.86x the time of one call; 512 tokens a call: 0.91x).
-DEFAULT_TOKENS_PER_STEP = {"paged": 512, "contiguous": 256}
+# Prompt tokens a call computes when max_tokens_per_step is not given: on CPU the projections are as fast at 256
+# rows as at more, and a smaller call scores fewer masked keys (SmolLM2 fp32, 1,035 prompt tokens: 0.86x the time of
+# one call, 512 tokens a call 0.91x; paged: 256 against 512 tokens a call 0.90-0.98x at 1,035 tokens, 0.85-1.02x at
+# 500).
+DEFAULT_TOKENS_PER_STEP = 256
+# A paged iteration's prompt-token admission budget when max_tokens_per_step is not given: more requests admitted
+# an iteration, fewer decode steps between admissions; each still prefilled in calls of DEFAULT_TOKENS_PER_STEP.
+DEFAULT_PAGED_ADMISSION_TOKENS = 512
 
 
 class Engine:
@@ -53,8 +56,9 @@ class Engine:
         self.num_layers = manifest.io.num_layers
         self.selects_logits = manifest.io.selects_logits
         self.kv_cache_memory, self.kv_blocks = kv_cache_memory, kv_blocks
+        admission_tokens = DEFAULT_PAGED_ADMISSION_TOKENS if max_tokens_per_step is None else max_tokens_per_step
         if max_tokens_per_step is None:
-            max_tokens_per_step = DEFAULT_TOKENS_PER_STEP["paged" if self.paged else "contiguous"]
+            max_tokens_per_step = DEFAULT_TOKENS_PER_STEP
         self.max_batch, self.max_tokens_per_step, self.prefix_caching = max_batch, max_tokens_per_step, prefix_caching
         eos_token_ids = set(self.spec.eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -68,8 +72,8 @@ class Engine:
             from fxllm.runtime.block_manager import BlockManager
 
             manager = BlockManager(blocks, self.block_size, prefix_caching, keep_runs=self.io.head_major_pool)
-            scheduler = PagedScheduler(manager, max_batch, max_tokens_per_step, speculative=bool(self.speculator),
-                                       attention_span=self.spec.attention_span)
+            scheduler = PagedScheduler(manager, max_batch, admission_tokens, prefill_call_tokens=max_tokens_per_step,
+                                       speculative=bool(self.speculator), attention_span=self.spec.attention_span)
         else:  # speculative decoding on a contiguous cache verifies one request at a time
             scheduler = StaticBatchScheduler(1 if self.speculator else max_batch)
         self.core = EngineCore(self.runner, scheduler, tokenizer, eos_token_ids, self.max_context,
@@ -85,22 +89,22 @@ class Engine:
              torch_compile: bool = False, unrolled_draft: bool | None = None) -> Engine:
         """backend: "onnxruntime" (any artifact, any machine), "tensorrt" (an artifact with engine.plan) or "torch"
         (a --target torch artifact on `device`, "cpu" or "cuda", optionally through torch.compile).
-        `max_batch` requests run at once; a paged request or a one-row contiguous batch is prefilled in calls of at
-        most `max_tokens_per_step` tokens (default DEFAULT_TOKENS_PER_STEP: 512 paged, 256 contiguous; a batch of
-        several contiguous rows is prefilled in one call, GroupQueryAttention's rule). Paged
-        artifacts: the KV pool holds `kv_blocks` blocks, or as many as fit in `kv_cache_memory` bytes (e.g.
-        "256MB"; default 512 MiB, at least one full-context sequence); `max_tokens_per_step` is also each
-        iteration's admission budget; `prefix_caching` shares full KV blocks between requests with a common
-        prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize
-        activations to int8 (faster, slightly less exact); default: what the artifact recommends (float
-        activations unless it was compiled with --int8-activations); True where neither the artifact nor its draft
-        has quantized weights is an InvalidArgumentError. Artifacts compiled with a draft decode
-        speculatively unless speculative=False; speculative="ngram" decodes any artifact with prompt lookup (no
-        draft model, nothing to compile; k 4 unless the artifact names one); spec_k overrides k. unrolled_draft:
-        a model draft proposes its k tokens in one call of its unrolled graph (True), or one call per token
-        (False); None: unrolled on a CUDA provider only (on CPU it measured no faster: docs/speculative.md). A
-        quantized draft runs with int8 activations unless int8_activations is given or it is unrolled (its speed
-        matters, its numerics do not: verification keeps exactly the target's distribution).
+        `max_batch` requests run at once; a paged request or a one-row contiguous batch is prefilled in calls of at most
+        `max_tokens_per_step` tokens (default DEFAULT_TOKENS_PER_STEP, 256; a batch of several contiguous rows is
+        prefilled in one call, GroupQueryAttention's rule). Paged artifacts: the KV pool holds `kv_blocks` blocks, or as
+        many as fit in `kv_cache_memory` bytes (e.g. "256MB"; default 512 MiB, at least one full-context sequence); a
+        given `max_tokens_per_step` is also each iteration's prompt-token admission budget (default
+        DEFAULT_PAGED_ADMISSION_TOKENS, 512); `prefix_caching` shares full KV blocks between requests with a common
+        prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize activations to int8 (faster,
+        slightly less exact); default: what the artifact recommends (float activations unless it was compiled with
+        --int8-activations); True where neither the artifact nor its draft has quantized weights is an
+        InvalidArgumentError. Artifacts compiled with a draft decode speculatively unless speculative=False;
+        speculative="ngram" decodes any artifact with prompt lookup (no draft model, nothing to compile; k 4 unless the
+        artifact names one); spec_k overrides k. unrolled_draft: a model draft proposes its k tokens in one call of its
+        unrolled graph (True), or one call per token (False); None: unrolled on a CUDA provider only (on CPU it measured
+        no faster: docs/speculative.md). A quantized draft runs with int8 activations unless int8_activations is given
+        or it is unrolled (its speed matters, its numerics do not: verification keeps exactly the target's
+        distribution).
         spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs)."""
         check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
         check_load_flags(backend, verify, prefix_caching, spin, torch_compile, int8_activations, unrolled_draft,

@@ -3,17 +3,17 @@ running requests and the KV cache's bookkeeping; the model runner executes it an
 scheduler never calls the model.
 
 PagedScheduler — continuous batching over a paged KV cache; requests join and leave between calls. An iteration
-admits waiting requests in arrival order while their tokens fit in free blocks, the batch has room (`max_batch`)
-and their prompts fit the iteration's prefill budget of `max_tokens_per_step` tokens (the first always does); each
-admitted request is prefilled alone, in chunks of at most `max_tokens_per_step` tokens starting after its
-prefix-cached blocks (one call per chunk; a prompt longer than the budget is prefilled whole before the next
-decode); the iteration ends with one decode call for every running request. When a decode finds no free block,
-the most recently admitted request is preempted: its blocks are freed and it returns to the front of the queue;
-on readmission its prompt and the tokens it already generated are recomputed (prefix-cache hits make that cheap),
-so its output is unchanged. With speculation (`speculative=True`) each decode row feeds the request's last token
-and the draft tokens proposed for it (Request.spec_token_ids), with a slot reserved for each; when the pool is
-short a row drops its drafts before anyone is preempted; after the call only the tokens the verification kept
-are committed and the other reserved slots are released.
+admits waiting requests in arrival order while their tokens fit in free blocks, the batch has room (`max_batch`) and
+their prompts fit the iteration's prefill budget of `max_tokens_per_step` tokens (the first always does); each
+admitted request is prefilled alone, in chunks of at most `prefill_call_tokens` tokens (default: the budget)
+starting after its prefix-cached blocks (one call per chunk; a prompt longer than the budget is prefilled whole
+before the next decode); the iteration ends with one decode call for every running request. When a decode finds no
+free block, the most recently admitted request is preempted: its blocks are freed and it returns to the front of the
+queue; on readmission its prompt and the tokens it already generated are recomputed (prefix-cache hits make that
+cheap), so its output is unchanged. With speculation (`speculative=True`) each decode row feeds the request's last
+token and the draft tokens proposed for it (Request.spec_token_ids), with a slot reserved for each; when the pool is
+short a row drops its drafts before anyone is preempted; after the call only the tokens the verification kept are
+committed and the other reserved slots are released.
 
 StaticBatchScheduler — contiguous KV cache: when no batch runs, up to `max_batch` waiting requests form one
 left-padded batch, prefilled as one batch (the runner feeds a one-row prompt in calls of at most
@@ -91,15 +91,21 @@ class _Queues:
 
 class PagedScheduler(_Queues):
     def __init__(self, manager: BlockManager, max_batch: int = 64, max_tokens_per_step: int = 512,
-                 speculative: bool = False, attention_span: int = 0):
-        """attention_span > 0: no layer's query sees keys more than attention_span - 1 positions back (every layer
-        slides, spec.attention_span); blocks wholly before the next query's window are released as it moves."""
+                 prefill_call_tokens: int | None = None, speculative: bool = False, attention_span: int = 0):
+        """prefill_call_tokens: the most prompt tokens one prefill call feeds (None: max_tokens_per_step, the
+        iteration's admission budget). attention_span > 0: no layer's query sees keys more than attention_span - 1
+        positions back (every layer slides, spec.attention_span); blocks wholly before the next query's window are
+        released as it moves."""
         super().__init__(max_batch)
-        if max_tokens_per_step < 1:
-            raise GenerationError(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
+        if prefill_call_tokens is None:
+            prefill_call_tokens = max_tokens_per_step
+        for name, value in (("max_tokens_per_step", max_tokens_per_step), ("prefill_call_tokens", prefill_call_tokens)):
+            if value < 1:
+                raise GenerationError(f"{name} must be >= 1, got {value}")
         self.manager = manager
         self.speculative = speculative
         self.max_tokens_per_step = max_tokens_per_step
+        self.prefill_call_tokens = prefill_call_tokens
         self.attention_span = attention_span
         self.peak_blocks_used = 0
         self.peak_waste = 0.0
@@ -183,7 +189,7 @@ class PagedScheduler(_Queues):
 
     def _prefill_chunk(self, request: Request) -> ScheduledBatch:
         tokens, start = request.all_token_ids, request.num_computed_tokens
-        chunk = tokens[start:start + self.max_tokens_per_step]
+        chunk = tokens[start:start + self.prefill_call_tokens]
         return ScheduledBatch(PREFILL, [request], [chunk], [start], sample=start + len(chunk) == len(tokens),
                               prompt_logits=request.needs_prompt_logits, copies=self.manager.take_copies(request.seq_id),
                               block_tables=[self.manager.block_table(request.seq_id)],

@@ -103,3 +103,38 @@ def test_a_backend_that_cannot_select_nothing_is_asked_for_one_position(make_tin
     reference = fxllm.load(make_tiny_artifact("llama"), threads=1).generate_ids(rows, max_new_tokens=6)
     assert engine.generate_ids(rows, max_new_tokens=6)[0].token_ids == reference[0].token_ids
     assert [index for _, index in calls.calls[:2]] == [[16], [15]]  # 33 tokens: spans of 17 and 16
+
+
+def test_a_paged_iteration_admits_its_budget_in_calls_of_the_call_size(tiny_paged_artifact):
+    """The admission budget and the prefill call size are apart: two 20-token prompts fit one iteration's budget of
+    48 and are each prefilled in calls of at most 8 tokens before the iteration's one decode call."""
+    from fxllm.runtime.block_manager import BlockManager
+    from fxllm.runtime.request import Request
+    from fxllm.runtime.scheduler import DECODE, PREFILL, PagedScheduler
+
+    engine = fxllm.load(tiny_paged_artifact, threads=1, prefix_caching=False)
+    scheduler = PagedScheduler(BlockManager(64, engine.block_size, False), max_batch=4, max_tokens_per_step=48,
+                               prefill_call_tokens=8)
+    rows = prompts([20, 20], seed=4)
+    for i, row in enumerate(rows):
+        scheduler.add(Request(f"r{i}", row, SamplingParams(max_tokens=4), engine.tokenizer, seq_id=i))
+    calls = []
+    for _ in range(7):
+        batch = scheduler.schedule()
+        calls.append((batch.kind, [r.request_id for r in batch.requests], [len(t) for t in batch.token_ids]))
+        for request in batch.requests:
+            if batch.kind == DECODE or batch.sample:
+                request.output_token_ids.append(5)
+        scheduler.update(batch)
+    prefill = [(["r0"], [8])] * 2 + [(["r0"], [4])] + [(["r1"], [8])] * 2 + [(["r1"], [4])]
+    assert calls == [(PREFILL, *call) for call in prefill] + [(DECODE, ["r0", "r1"], [1, 1])]
+
+
+def test_by_default_a_paged_engine_admits_512_prompt_tokens_an_iteration_in_calls_of_256(tiny_paged_artifact):
+    from fxllm.runtime.engine import DEFAULT_PAGED_ADMISSION_TOKENS, DEFAULT_TOKENS_PER_STEP
+
+    scheduler = fxllm.load(tiny_paged_artifact, threads=1).core.scheduler
+    assert (scheduler.max_tokens_per_step, scheduler.prefill_call_tokens) == (DEFAULT_PAGED_ADMISSION_TOKENS,
+                                                                                DEFAULT_TOKENS_PER_STEP) == (512, 256)
+    chosen = fxllm.load(tiny_paged_artifact, threads=1, max_tokens_per_step=64).core.scheduler
+    assert (chosen.max_tokens_per_step, chosen.prefill_call_tokens) == (64, 64)
