@@ -92,12 +92,12 @@ class Engine:
         `max_batch` requests run at once; a paged request or a one-row contiguous batch is prefilled in calls of at most
         `max_tokens_per_step` tokens (default DEFAULT_TOKENS_PER_STEP, 256; a batch of several contiguous rows is
         prefilled in one call, GroupQueryAttention's rule). Paged artifacts: the KV pool holds `kv_blocks` blocks, or as
-        many as fit in `kv_cache_memory` bytes (e.g. "256MB"; default 512 MiB, at least one full-context sequence); a
-        given `max_tokens_per_step` is also each iteration's prompt-token admission budget (default
-        DEFAULT_PAGED_ADMISSION_TOKENS, 512); `prefix_caching` shares full KV blocks between requests with a common
-        prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize activations to int8 (faster,
-        slightly less exact); default: what the artifact recommends (float activations unless it was compiled with
-        --int8-activations); True where neither the artifact nor its draft has quantized weights is an
+        many as fit in `kv_cache_memory` bytes (e.g. "256MB"; default 512 MiB or 64 full-context sequences, whichever is
+        less, at least one); a given `max_tokens_per_step` is also each iteration's prompt-token admission budget
+        (default DEFAULT_PAGED_ADMISSION_TOKENS, 512); `prefix_caching` shares full KV blocks between requests with a
+        common prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize activations to int8
+        (faster, slightly less exact); default: what the artifact recommends (float activations unless it was compiled
+        with --int8-activations); True where neither the artifact nor its draft has quantized weights is an
         InvalidArgumentError. Artifacts compiled with a draft decode speculatively unless speculative=False;
         speculative="ngram" decodes any artifact with prompt lookup (no draft model, nothing to compile; k 4 unless the
         artifact names one); spec_k overrides k. unrolled_draft: a model draft proposes its k tokens in one call of its

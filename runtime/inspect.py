@@ -10,7 +10,7 @@ from typing import Any
 
 from fxllm.runtime.checks import byte_size
 from fxllm.runtime.manifest import load_manifest
-from fxllm.runtime.paged_cache import DEFAULT_KV_BUDGET, default_num_blocks
+from fxllm.runtime.paged_cache import default_num_blocks
 from fxllm.runtime.stored_tensors import StoredTensor, stored_tensors
 
 # Buffer names of the quantize pass (passes/quantize.py, compiler/quant/experts.py) as lowering keeps them (ONNX
@@ -79,7 +79,8 @@ def _render(info: dict[str, Any]) -> str:
         + (f"; {info['kv_cache_bytes_per_token_before_passes']:,} bytes/token before gqa regrouped "
            f"{spec['source_num_kv_heads']} → {spec['num_kv_heads']} KV heads" if spec.get("source_num_kv_heads") else ""),
         *([f"paged        blocks of {info['paged']['block_size']} tokens, {info['paged']['block_bytes']:,} bytes each; "
-           f"the default {byte_size(DEFAULT_KV_BUDGET)} pool holds {info['paged']['default_budget_tokens']:,} tokens "
+           f"the default pool ({byte_size(info['paged']['default_budget_blocks'] * info['paged']['block_bytes'])}) "
+           f"holds {info['paged']['default_budget_tokens']:,} tokens "
            f"({info['paged']['default_budget_blocks']:,} blocks); set it with --kv-cache-memory / --kv-blocks"]
           if "paged" in info else []),
         _size_line(info["bytes"]["total"], info["bytes"]["files"]),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from fxllm.runtime.contract import PAGED, cache_output
-from fxllm.runtime.paged_cache import PagedKVPool
+from fxllm.runtime.paged_cache import (DEFAULT_KV_BUDGET, DEFAULT_POOL_SEQUENCES, HeadMajorKVPool, PagedKVPool,
+                                        default_num_blocks)
 
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 10, 4, 2, 5
 
@@ -54,3 +55,35 @@ def test_memory_sizes_take_terabytes_and_name_an_unknown_unit():
     assert (parse_bytes("1TB"), parse_bytes("2TiB"), parse_bytes("1.5GiB")) == (10 ** 12, 2 ** 41, 3 * 2 ** 29)
     with pytest.raises(GenerationError, match="unknown unit 'PB'"):
         parse_bytes("1PB")
+
+
+def _resident_fraction(array: np.ndarray) -> float:
+    """The share of the array's pages in memory now (mincore(2))."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    start = array.ctypes.data // page * page
+    length = array.ctypes.data + array.nbytes - start
+    vector = ctypes.create_string_buffer((length + page - 1) // page)
+    assert libc.mincore(start, length, vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector.raw) / len(vector.raw)
+
+
+@pytest.mark.parametrize("pool_type", [PagedKVPool, HeadMajorKVPool])
+def test_a_pool_is_in_memory_and_zero_when_made(pool_type):
+    """Touched whole at allocation: a request's first touch of its pages costs nothing (np.zeros maps them lazily,
+    on huge pages whose first touch could take milliseconds each)."""
+    pool = pool_type(2, 2048, 16, 2, 64)  # 32 MiB
+    array = pool._pools if pool_type is PagedKVPool else pool._flat
+    assert array.nbytes >= 32 << 20 and not array.any()
+    assert _resident_fraction(array) == 1.0
+
+
+def test_the_default_pool_is_512_mib_or_64_full_contexts_whichever_is_less():
+    block_bytes, block_size = 65536, 16
+    assert default_num_blocks(block_bytes, block_size, 8192) == DEFAULT_KV_BUDGET // block_bytes  # < 64 × 512
+    assert default_num_blocks(block_bytes, block_size, 256) == DEFAULT_POOL_SEQUENCES * 256 // block_size
+    assert default_num_blocks(1 << 30, block_size, 100) == 7  # never less than one full context

@@ -68,7 +68,7 @@ def dim_ranges(manifest: dict[str, Any], max_batch: int, max_tokens: int,
         per_sequence = -(-context // block_size)
         if max_blocks is None:
             block_bytes = ModelSpec.from_dict(manifest["spec"]).kv_bytes_per_token() * block_size
-            max_blocks = default_num_blocks(block_bytes, block_size, context)
+            max_blocks = default_num_blocks(block_bytes, block_size, context)  # the runtime's default pool
         ranges["table"] = (1, max(1, per_sequence // 2), per_sequence)
         ranges["blocks"] = (1, max_blocks, max_blocks)
     return ranges
