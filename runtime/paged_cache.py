@@ -31,18 +31,20 @@ def parse_bytes(value: int | str) -> int:
 
 def default_num_blocks(block_bytes: int, block_size: int, max_positions: int) -> int:
     """Blocks in the default pool: DEFAULT_KV_BUDGET, at most what DEFAULT_POOL_SEQUENCES full-context sequences
-    fill (the pool is allocated whole: a short-context model's needs no 512 MiB), and never less than one."""
+    fill (a short-context model's pool, counted whole against the memory available, needs no 512 MiB), and never
+    less than one."""
     per_sequence = -(-max_positions // block_size)
     return max(min(DEFAULT_KV_BUDGET // block_bytes, DEFAULT_POOL_SEQUENCES * per_sequence), per_sequence)
 
 
 # Why the pools touch their first block at allocation: np.zeros maps pages at first touch, on 2 MiB pages here (numpy
 # advises them for large arrays), and where memory is fragmented the kernel compacts memory for each; a 512 MiB
-# pool's first request, touching a page per layer, K/V and (head-major) head, took 0.16-0.77 s longer than the next
-# (SmolLM2 paged, 23 prompt tokens: 159-766 against 36-39 ms). Blocks are taken lowest first, so the first request's
-# pages are the first block's: touched at load, that request is as fast as the next (40-48 ms). Touching the whole
-# pool instead (what llama.cpp's buffer clear does) cost 0.7-0.85 s of load and measured ~4% slower decode steps
-# (10 alternating process pairs at 69 tokens, 7 slower), so the rest is left to fault in as it is reached.
+# pool's first request, touching a page per layer, K/V and (head-major) head, took 0.1-0.8 s longer than the next
+# (SmolLM2 paged, 23 and 69 prompt tokens: 86-794 against 35-80 ms). Blocks are taken lowest first, so the first
+# request's pages are the first block's: touched at load, that request took 49-81 ms. Touching the whole pool
+# instead (what llama.cpp's buffer clear does) cost 0.7-0.85 s of load and measured ~4% slower decode steps (10
+# alternating process pairs at 69 tokens, 7 slower), so the rest is left to fault in as it is reached
+# (docs/targets.md, nineteenth session).
 
 
 class StepKV:
