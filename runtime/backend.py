@@ -73,9 +73,10 @@ class Backend(Protocol):
 
 def load_backend(manifest: Manifest, kind: str = "onnxruntime", threads: int | None = None,
                  providers: list[str] | None = None, int8_activations: bool = False, spin: bool = True,
-                 device: str = "cpu", torch_compile: bool = False) -> Backend:
+                 device: str = "cpu", torch_compile: bool = False, huge_pages: bool = True) -> Backend:
     """The artifact's graph on backend `kind`, checked against the manifest (ONNX Runtime: the real signature and
-    the recorded contract digest) before it is returned."""
+    the recorded contract digest) before it is returned. huge_pages: ONNX Runtime on CPU moves the session's weights
+    onto huge pages once loaded (runtime/huge_pages.py)."""
     if kind != "torch" and manifest.target == "torch":
         raise ArtifactError(f"'{manifest.directory}' was compiled with --target torch ({manifest.model_file.name}): "
                             "load it with backend='torch' (device='cpu' or 'cuda')")
@@ -83,7 +84,8 @@ def load_backend(manifest: Manifest, kind: str = "onnxruntime", threads: int | N
         from fxllm.runtime.backend_ort import OrtBackend
 
         backend = OrtBackend(manifest.model_file, threads=threads, providers=providers,
-                             int8_activations=int8_activations, spin=spin, aliases=manifest.io.aliases)
+                             int8_activations=int8_activations, spin=spin, aliases=manifest.io.aliases,
+                             collapse_huge_pages=huge_pages)
         check_model_matches(manifest, backend)
         return backend
     if kind == "torch":  # a --target torch artifact (model.pt2) on `device`, KV kept there between steps

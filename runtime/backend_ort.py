@@ -51,7 +51,8 @@ class OrtBackend:
     allows_empty_selection = True
 
     def __init__(self, model_path: Path, threads: int | None = None, providers: list[str] | None = None,
-                 int8_activations: bool = False, spin: bool = True, aliases: dict[str, str] | None = None):
+                 int8_activations: bool = False, spin: bool = True, aliases: dict[str, str] | None = None,
+                 collapse_huge_pages: bool = True):
         """aliases: {output: input} whose memory is one buffer (shared-buffer KV caches): those outputs are bound
         to their input's array, which the step updates in place (ONNX Runtime IOBinding)."""
         import onnxruntime as ort
@@ -73,7 +74,7 @@ class OrtBackend:
         else:
             options.add_session_config_entry("session.disable_quant_qdq", "1")
         providers = check_providers(providers) or default_providers()
-        on_cpu = providers == ["CPUExecutionProvider"] and huge_pages.enabled()
+        on_cpu = collapse_huge_pages and providers == ["CPUExecutionProvider"] and huge_pages.enabled()
         before = huge_pages.anonymous_mappings() if on_cpu else {}
         try:
             self.session = ort.InferenceSession(str(model_path), options, providers=providers)

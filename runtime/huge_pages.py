@@ -13,7 +13,7 @@ load; an AMD EPYC VM, 2026-12-07).
 Only private anonymous mappings of at least 4 MiB that appeared or changed while the session loaded and are at
 least 90% resident are touched (a sparse one would grow when collapsed). Anything the kernel refuses (an older
 kernel, THP off, no free huge page) is left as it was: this changes speed, never contents. FXLLM_HUGE_PAGES=0
-turns it off."""
+turns it off, fxllm.load(..., huge_pages=False) for one engine; `fxllm generate` asks worth_collapsing."""
 
 from __future__ import annotations
 
@@ -31,6 +31,18 @@ MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ (\d+)\s*(.*)$")
+
+
+# Decode steps from which collapsing pays at load (fxllm generate asks worth_collapsing): the collapse cost a one-shot
+# `fxllm generate` 0.8-2.8 s of wall time (SmolLM2 fp32, 8 new tokens: 2.7-4.7 against 1.9 s) and saves ~7% of a step
+# (~1.4 ms of SmolLM2's ~20), so it is won back after ~600-2,000 steps.
+WORTH_STEPS = 1024
+
+
+def worth_collapsing(decode_steps: int) -> bool:
+    """Whether a process that will run about `decode_steps` decode steps gains by collapsing at load; a server or
+    a long-lived engine does (fxllm.load's default)."""
+    return decode_steps >= WORTH_STEPS
 
 
 def enabled() -> bool:

@@ -154,12 +154,13 @@ def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_me
 
 
 def check_load_flags(backend: Any, verify: Any, prefix_caching: Any, spin: Any, torch_compile: Any,
-                     int8_activations: Any, unrolled_draft: Any, providers: Any, device: Any) -> None:
+                     int8_activations: Any, unrolled_draft: Any, providers: Any, device: Any,
+                     huge_pages: Any = True) -> None:
     """Engine.load's switches are True or False (None too where it means "the artifact's choice"), never a truthy
     string; providers is None or a list of provider names; device and torch_compile belong to backend 'torch'
     (ONNX Runtime picks its device through providers), so they are refused rather than ignored elsewhere."""
     for name, value in (("verify", verify), ("prefix_caching", prefix_caching), ("spin", spin),
-                        ("torch_compile", torch_compile)):
+                        ("torch_compile", torch_compile), ("huge_pages", huge_pages)):
         flag(name, value)
     for name, value in (("int8_activations", int8_activations), ("unrolled_draft", unrolled_draft)):
         if value is not None:

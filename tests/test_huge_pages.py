@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import fxllm
+from fxllm.errors import InvalidArgumentError
 from fxllm.runtime import huge_pages
 
 
@@ -64,3 +65,39 @@ def test_switched_off_by_the_environment(monkeypatch, make_tiny_artifact):
     monkeypatch.setenv(huge_pages.ENVIRONMENT_SWITCH, "0")
     assert not huge_pages.enabled()
     assert fxllm.load(make_tiny_artifact("llama")).backend.huge_page_bytes == 0
+
+
+@pytest.fixture
+def collapses(monkeypatch) -> list[int]:
+    """Each real collapse_new_mappings call made while loading, as the bytes it moved (huge pages on for the test)."""
+    monkeypatch.delenv(huge_pages.ENVIRONMENT_SWITCH, raising=False)
+    monkeypatch.setattr(huge_pages, "enabled", lambda: True)
+    calls: list[int] = []
+    real = huge_pages.collapse_new_mappings
+    monkeypatch.setattr(huge_pages, "collapse_new_mappings", lambda before: calls.append(real(before)) or calls[-1])
+    return calls
+
+
+def test_load_collapses_unless_asked_not_to(collapses, make_tiny_artifact):
+    artifact = make_tiny_artifact("llama")
+    reference = fxllm.load(artifact, huge_pages=False)
+    assert collapses == [] and reference.backend.huge_page_bytes == 0
+    engine = fxllm.load(artifact)
+    assert len(collapses) == 1 and engine.backend.huge_page_bytes == collapses[0]
+    prompt = [[5, 17, 33, 2, 9]]
+    assert engine.generate_ids(prompt, max_new_tokens=8)[0].token_ids == \
+        reference.generate_ids(prompt, max_new_tokens=8)[0].token_ids
+    with pytest.raises(InvalidArgumentError, match="huge_pages"):
+        fxllm.load(artifact, huge_pages="no")
+
+
+@pytest.mark.parametrize(("max_new_tokens", "collapsed"), [(64, False), (huge_pages.WORTH_STEPS, True)])
+def test_a_one_shot_generate_collapses_only_when_it_decodes_long_enough(collapses, make_tiny_artifact, capsys,
+                                                                        max_new_tokens, collapsed):
+    """`fxllm generate` pays the collapse (seconds of load) only where its decode steps win it back."""
+    from fxllm.cli import main
+
+    assert main(["generate", str(make_tiny_artifact("llama")), "--prompt", "hello", "--max-new-tokens",
+                 str(max_new_tokens)]) in (0, None)
+    assert (len(collapses) == 1) is collapsed
+    capsys.readouterr()
