@@ -269,12 +269,13 @@ def cmd_generate(args) -> None:
     import fxllm
     from fxllm.runtime.huge_pages import worth_collapsing
 
+    decode_steps = args.max_new_tokens * -(-len(args.prompt) // max(args.max_batch, 1))  # bad values: load refuses
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,
                         kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
                         max_tokens_per_step=args.max_tokens_per_step, int8_activations=_activations(args),
                         device=args.device, torch_compile=args.torch_compile,
                         speculative=SPECULATIVE_MODES[args.speculative], spec_k=args.spec_k,
-                        huge_pages=worth_collapsing(args.max_new_tokens * -(-len(args.prompt) // args.max_batch)))
+                        huge_pages=worth_collapsing(decode_steps))
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     if args.json or len(args.prompt) > 1:
