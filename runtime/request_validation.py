@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fxllm.errors import GenerationError, InvalidArgumentError
-from fxllm.runtime.checks import byte_size, describe, flag, integer, text
+from fxllm.runtime.checks import byte_size, describe, flag, integer, short, text
 from fxllm.runtime.paged_cache import parse_bytes
 from fxllm.runtime.request import SamplingParams
 
@@ -124,7 +124,7 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_context: in
                                              f"{max_context} tokens, which leaves no room to generate")
     if num_prompt_tokens + max_tokens > max_context:
         raise InvalidArgumentError("max_tokens", f"the prompt is {num_prompt_tokens} tokens and max_tokens is "
-                                                 f"{max_tokens}, together more than the model's context of "
+                                                 f"{short(max_tokens)}, together more than the model's context of "
                                                  f"{max_context} tokens; ask for at most "
                                                  f"{max_context - num_prompt_tokens} tokens")
 

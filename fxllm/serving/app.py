@@ -20,12 +20,12 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 from fxllm import __version__
 from fxllm.serving.errors import install_error_handlers
 from fxllm.serving.middleware import (APIKeyGuard, BodyReadTimeout, BodySizeLimit, BugGuard, HeadAsGet,
-                                      IdentityEncodingOnly, OpenAICORS, check_api_key)
+                                      IdentityEncodingOnly, OpenAICORS, TrailingSlashIgnored, check_api_key)
 from fxllm.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, Health, ModelCard, ModelList)
 
@@ -51,7 +51,8 @@ def create_app(get_service: Callable[[], object], api_key: str | None = None,
     whitespace) is a one-line FxllmError."""
     if api_key is not None:
         check_api_key(api_key)
-    app = FastAPI(title="fxllm", version=__version__, description="OpenAI-compatible API of an fxllm artifact")
+    app = FastAPI(title="fxllm", version=__version__, description="OpenAI-compatible API of an fxllm artifact",
+                  redirect_slashes=False)
     install_error_handlers(app)
     app.add_middleware(BodyReadTimeout, seconds=body_timeout)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
@@ -60,6 +61,7 @@ def create_app(get_service: Callable[[], object], api_key: str | None = None,
         app.add_middleware(APIKeyGuard, api_key=api_key)
     app.add_middleware(BugGuard)  # the outermost of the guards, so that it sees what the others raise
     app.add_middleware(HeadAsGet)  # outside BugGuard, so that its 500 to a HEAD has no body either
+    app.add_middleware(TrailingSlashIgnored)  # before the API-key guard reads the path
     if allowed_origins:  # outermost: a preflight carries no API key, and every answer, errors too, needs the headers
         app.add_middleware(OpenAICORS, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
                            allow_headers=["*"])
@@ -81,9 +83,7 @@ def create_app(get_service: Callable[[], object], api_key: str | None = None,
 
     # `:path`: a served name may hold slashes (`--served-model-name org/model`, as Hugging Face names are)
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
-    async def get_model(model: str, raw: Request, served=Depends(service)):
-        if not model or model.endswith("/"):  # redirected without the slash, as routes without `:path` are
-            return RedirectResponse(raw.url.replace(path=raw.url.path.rstrip("/")), status_code=307)
+    async def get_model(model: str, served=Depends(service)):
         served.check_model(model)
         return await served.card(model)
 

@@ -176,9 +176,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     status = exc.status_code
     message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     if status == 404:
-        message = f"no route {request.method} {request.url.path}"
+        message = f"no route {request.method} {shown(request.url.path)}"
     elif status == 405:
-        message = f"method {request.method} is not allowed on {request.url.path}"
+        message = f"method {request.method} is not allowed on {shown(request.url.path)}"
     elif status == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):  # FastAPI's body parsing
         message = unreadable_body(exc.__cause__)
     elif not message:

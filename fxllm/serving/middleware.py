@@ -1,8 +1,8 @@
 """Guards in front of the routes, as plain ASGI middleware so that they act before the body is read or parsed: the
 API key (401 for /v1/ routes without `Authorization: Bearer KEY`; compared in constant time), the body size limit
 (413 from the Content-Length header, or once the bytes received pass it), a compressed body (415), a body that does
-not arrive in time (408), HEAD answered as GET without the body, the answer to a bug (BugGuard), and CORS whose
-refused preflight is an error body like any other (OpenAICORS)."""
+not arrive in time (408), HEAD answered as GET without the body, a path's trailing slash ignored, the answer to a bug
+(BugGuard), and CORS whose refused preflight is an error body like any other (OpenAICORS)."""
 
 from __future__ import annotations
 
@@ -162,6 +162,23 @@ class HeadAsGet:
             await send(message)
 
         await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
+class TrailingSlashIgnored:
+    """A path's trailing slashes are dropped before routing: `/v1/models/` is `/v1/models`. Starlette would answer a
+    307 with an empty body (not an error JSON) and a Location built from the client's Host header, and a client that
+    follows it with a POST may drop the body."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+            if "raw_path" in scope:
+                scope["raw_path"] = scope["raw_path"].rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)
 
 
 class BugGuard:

@@ -58,9 +58,23 @@ def test_a_served_name_with_a_slash_is_retrieved(loaded):
                                                    {"method": "GET", "url": "/v1/models/"}])
     assert found.status_code == 200 and found.json()["id"] == NAME, found.text
     assert unknown.status_code == 404 and error_of(unknown)["code"] == "model_not_found", unknown.text
-    # a trailing slash is still redirected away, as Starlette does for the other routes
-    assert (slashed.status_code, slashed.headers["location"]) == (307, f"http://test/v1/models/{NAME}")
-    assert (listed.status_code, listed.headers["location"]) == (307, "http://test/v1/models")
+    # a trailing slash is ignored, not redirected (Starlette's 307 had an empty body and echoed the Host header)
+    assert slashed.status_code == 200 and slashed.json()["id"] == NAME, slashed.text
+    assert listed.status_code == 200 and [card["id"] for card in listed.json()["data"]] == [NAME], listed.text
+
+
+def test_a_trailing_slash_is_the_route_and_errors_repeat_little_of_the_request(loaded):
+    """POST /v1/completions/ is the route itself; a 60,000-character path and a 4,000-digit max_tokens are refused
+    with messages that repeat a bounded part of them."""
+    huge = int("9" * 4000)
+    slashed, path, digits = ask(loaded, [
+        {"method": "POST", "url": "/v1/completions/", "json": OK},
+        {"method": "GET", "url": "/" + "p" * 60_000},
+        {"method": "POST", "url": "/v1/completions", "json": {**OK, "max_tokens": huge}}])
+    assert slashed.status_code == 200 and slashed.json()["object"] == "text_completion", slashed.text
+    assert path.status_code == 404 and len(error_of(path)["message"]) < 200, path.text[:300]
+    assert digits.status_code == 400 and error_of(digits)["param"] == "max_tokens", digits.text[:300]
+    assert len(error_of(digits)["message"]) < 300, digits.text[:400]
 
 
 @pytest.mark.parametrize("content, content_type, status, says", [
