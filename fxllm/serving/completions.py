@@ -56,7 +56,8 @@ async def create_completion(service: OpenAIService, request: CompletionRequest) 
         limit = 1 if scoring else max_new_tokens(request.max_tokens, len(prompt.token_ids),
                                                    service.max_sequence_tokens)
         params = sampling_params(request, n, limit, logprobs=top, prompt_logprobs=top if request.echo else None)
-        choices += [Choice(p * n + i, prompt.token_ids, params[i]) for i in range(n)]
+        name = f"prompt[{p}]" if len(prompts) > 1 else ""
+        choices += [Choice(p * n + i, prompt.token_ids, params[i], name) for i in range(n)]
     writer = CompletionWriter(service, request, prompts, n, f"cmpl-{uuid.uuid4().hex}")
     return await respond(writer, service.start(choices, writer.id), bool(request.stream))
 

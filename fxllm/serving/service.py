@@ -46,11 +46,13 @@ class ServingConfig:
 
 @dataclass(frozen=True)
 class Choice:
-    """One engine request of an HTTP request: choice `index` of the response."""
+    """One engine request of an HTTP request: choice `index` of the response. `prompt_name` (`prompt[2]`) names its
+    prompt among several in the errors about it."""
 
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    prompt_name: str = ""
 
 
 MAX_NAME_SHOWN = 100  # characters of an unknown model name that its 404 repeats
@@ -131,7 +133,10 @@ class OpenAIService:
         try:
             self.core.check(choice.prompt_ids, choice.params)
         except GenerationError as exc:
-            raise bad_request(exc, fields) from None
+            error = bad_request(exc, fields)
+            if choice.prompt_name:
+                error = APIError(error.status, f"{choice.prompt_name}: {error.message}", error.param, error.code)
+            raise error from None
 
     def token_ids(self, name: str, ids: list[int]) -> list[int]:
         """One token-id prompt, checked against the vocabulary under its own name (`prompt[2]`): 400 if bad."""

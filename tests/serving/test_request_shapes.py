@@ -144,6 +144,15 @@ def test_a_content_part_is_refused_by_what_is_wrong_with_it(loaded, parts, statu
     assert says in error["message"], response.text
 
 
+def test_a_prompt_of_a_list_too_long_for_the_context_is_named(loaded):
+    """The engine's refusal of one prompt of several says which one it was."""
+    (response,) = ask(loaded, [{"method": "POST", "url": "/v1/completions",
+                                "json": {**OK, "prompt": ["a short one", "hello " * loaded.max_context]}}])
+    error = error_of(response)
+    assert (response.status_code, error["param"]) == (400, "prompt"), response.text
+    assert error["message"].startswith("prompt[1]: the prompt is "), error["message"]
+
+
 @pytest.mark.parametrize("prompt", [["a", ""], [[1, 2], []]])
 def test_an_empty_prompt_of_a_list_is_named(loaded, prompt):
     (response,) = ask(loaded, [{"method": "POST", "url": "/v1/completions", "json": {**OK, "prompt": prompt}}])
