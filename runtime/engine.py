@@ -9,6 +9,7 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,8 @@ from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import RequestOutput, SamplingParams
 from fxllm.runtime.request_validation import (GenerationRequest, check_engine_options, check_kv_pool,
                                               check_load_flags, check_prompt, check_prompt_ids, check_prompt_labels,
-                                              check_prompts, check_request, check_token_ids, check_tokenized)
+                                              check_prompts, check_request, check_token_ids, check_tokenized,
+                                              encode_within_context)
 from fxllm.runtime.results import GenerationResult, collector, raise_failure
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
@@ -199,8 +201,11 @@ class Engine:
         prompt = check_prompt(prompt)
         if chat:  # the template writes the special tokens itself
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            return check_tokenized(self.tokenizer.encode(text, add_special_tokens=False), self.spec.vocab_size)
-        return check_tokenized(self.tokenizer.encode(prompt), self.spec.vocab_size)
+            ids = encode_within_context(partial(self.tokenizer.encode, add_special_tokens=False), text,
+                                        self.max_context)
+        else:
+            ids = encode_within_context(self.tokenizer.encode, prompt, self.max_context)
+        return check_tokenized(ids, self.spec.vocab_size)
 
     # -- public API ---------------------------------------------------------------------------------------------
     # Every argument is checked up front by runtime/request_validation.py (InvalidArgumentError naming a bad one);

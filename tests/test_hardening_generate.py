@@ -205,6 +205,23 @@ def test_a_refused_prompt_of_a_batch_is_named(engines, kind, contiguous):
                           "fxllm: error: prompts[1]: the prompt is empty after tokenization")
 
 
+def test_a_prompt_of_megabytes_is_refused_from_its_head(engines, monkeypatch):
+    """A text far longer than the context (1.2 MB, a 256-token model) is refused by its first 32 characters per
+    context token alone, in one line, as a chat message too; the tokenizer never sees the rest of it."""
+    from fxllm.runtime.request_validation import HEAD_CHARS_PER_TOKEN
+    engine = engines["contiguous"]
+    seen = []
+    encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, **kw: seen.append(len(text)) or encode(text, **kw))
+    for chat in (False, True):
+        with pytest.raises(InvalidArgumentError, match=r"^the prompt is more than [\d,]+ tokens \(its first 8,192 of "
+                                                       r"1,2\d\d,\d+ characters alone are") as caught:
+            engine.generate("hello " * 200_000, max_new_tokens=2, chat=chat)
+        assert caught.value.param == "prompt" and "\n" not in str(caught.value)
+    assert seen and max(seen) <= HEAD_CHARS_PER_TOKEN * engine.max_context, seen
+    assert engine.generate("hello " * 10, max_new_tokens=2).token_ids  # a short one still runs
+
+
 def test_stream_checks_its_arguments_when_called(engines):
     """stream() raises at the call, not at the first next(): a server can answer the error before streaming."""
     with pytest.raises(FxllmError, match="seed"):

@@ -13,12 +13,13 @@ import asyncio
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from fxllm.errors import GenerationError
 from fxllm.runtime import checks
 from fxllm.runtime.async_engine import AsyncEngine
 from fxllm.runtime.request import SamplingParams
-from fxllm.runtime.request_validation import check_token_ids, check_tokenized
+from fxllm.runtime.request_validation import check_token_ids, check_tokenized, encode_within_context
 from fxllm.serving.errors import APIError, bad_request
 from fxllm.serving.logprobs import TokenTexts
 from fxllm.serving.metrics import ServingMetrics
@@ -170,8 +171,9 @@ class OpenAIService:
             checks.text(where, value, param="messages")
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables)
         text = checks.text("messages", rendered)
-        return check_tokenized(self.tokenizer.encode(text, add_special_tokens=False), self.core.vocab_size,
-                               param="messages")
+        ids = encode_within_context(partial(self.tokenizer.encode, add_special_tokens=False), text,
+                                    self.core.max_context, param="messages")
+        return check_tokenized(ids, self.core.vocab_size, param="messages")
 
     # -- admission ----------------------------------------------------------------------------------------------------
 

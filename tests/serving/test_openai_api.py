@@ -476,10 +476,10 @@ def test_a_list_of_more_prompts_than_the_server_admits_is_refused_before_tokeniz
 
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
-    """A prompt near the body limit takes seconds to tokenize; meanwhile the server answers others (before it,
-    /health waited until that prompt's 400)."""
+    """A conversation near the body limit takes seconds to render and tokenize; meanwhile the server answers others
+    (before it, /health waited until that prompt's 400). Many messages: one long one is refused from its head."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 700_000}]}
+    huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 8}] * 60_000}
     finished = []
 
     async def main():
