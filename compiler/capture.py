@@ -249,7 +249,7 @@ def _export_failure(exc: Exception) -> str:
     """Why torch.export refused the model, in one line: a guard on the sequence length or a data-dependent branch
     is named as what the model's code does; anything else is torch's message, shortened."""
     text = " ".join(str(exc).split())
-    guard = re.search(r"generated guard (.+?)(?:\. - | Suggested fixes|$)", text)
+    guard = re.search(r"generated guard (.+?)(?:\. - |\. The error above| Suggested fixes|$)", text)
     if "Constraints violated" in text and guard:
         return ("its forward fixes or bounds the sequence length (torch.export guard: "
                 f"{guard.group(1).replace(INPUT_IDS_SIZE, 'tokens')}), e.g. an attention mask or position table "

@@ -458,6 +458,8 @@ REFUSED_BY_WHAT_THEY_DO = {  # an internal error, torch's guard text or an op na
     "more than one attention a layer": ("DiffLlamaConfig", dict(**GQA, intermediate_size=96)),
     "fixes or bounds the sequence length": ("GPTNeoConfig", dict(num_layers=2, window_size=WINDOW,
                                                                  attention_types=[[["global", "local"], 1]])),
+    # torch's guard alone, without the advice on torch.export that follows it in torch's message
+    "(torch.export guard: tokens != 256), e.g.": ("OpenAIGPTConfig", dict()),
     "reads a tensor's values into Python": ("JetMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                                                  kv_channels=16, intermediate_size=96)),
     "layers with different head sizes": ("Gemma4TextConfig", dict(**GQA, head_dim=16, sliding_window=WINDOW,
