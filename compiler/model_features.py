@@ -114,6 +114,12 @@ def check_sliding_windows(config, windows: list[int], architecture: str) -> None
                 "attention interface (the model masks it itself), which fxllm cannot capture")
 
 
+# Families whose attention rotates q and k only in sliding-window layers once any layer slides (their modeling code
+# says so, not their config: Cohere2Attention rotates when its layer has a window, Exaone4Attention when the model
+# has none or the layer slides)
+NOPE_FULL_LAYERS = frozenset({"cohere2", "exaone4"})
+
+
 def describe_layers(model: torch.nn.Module, attention: list[dict[str, Any]],
                     experts: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
     """Per layer: the attention variant as captured (window, softcap, sinks), the position encoding and QK-norm
@@ -123,6 +129,8 @@ def describe_layers(model: torch.nn.Module, attention: list[dict[str, Any]],
     if rope != "learned positions" and not any("rotary" in type(module).__name__.lower() for module in model.modules()):
         rope = "absolute positions"  # no rotary module at all (gpt_bigcode's learned, ctrl's sinusoidal positions)
     no_rope = getattr(config, "no_rope_layers", None)
+    if no_rope is None and config.model_type in NOPE_FULL_LAYERS and any(seen["window"] for seen in attention):
+        no_rope = [bool(seen["window"]) for seen in attention]
     layers = []
     for layer, seen in enumerate(attention):
         entry: dict[str, Any] = {"attention": f"sliding {seen['window']}" if seen["window"] else "full"}

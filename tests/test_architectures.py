@@ -36,6 +36,7 @@ class Arch:
     fields: dict
     features: tuple[str, ...] = ()
     also: str = ""
+    perturbed: bool = False  # norms, biases and zero-initialized weights randomized (see build_model)
 
 
 SLIDING, SOFTCAP, SINKS, MOE_LAYERS = "sliding window", "attention soft-capping", "attention sinks", "MoE"
@@ -80,6 +81,28 @@ ARCHITECTURES = {
     "ministral": Arch("MinistralConfig", dict(**GQA, intermediate_size=96, head_dim=16, sliding_window=WINDOW,
                                               layer_types=["sliding_attention", "full_attention"]), (SLIDING,)),
     "mistral": Arch("MistralConfig", dict(**GQA, intermediate_size=96, sliding_window=WINDOW), (SLIDING,)),
+    "gptj": Arch("GPTJConfig", dict(rotary_dim=8, n_inner=96), (PARTIAL_ROPE,),
+                 "interleaved rotary on part of each head, parallel blocks", perturbed=True),
+    "cohere2": Arch("Cohere2Config", dict(**GQA, intermediate_size=96, sliding_window=WINDOW,
+                                          layer_types=["sliding_attention", "full_attention"]), (SLIDING, NO_ROPE),
+                    "interleaved rotary (sliding layers only), parallel blocks, LayerNorm, scaled logits",
+                    perturbed=True),
+    "exaone4": Arch("Exaone4Config", dict(**GQA, intermediate_size=96, head_dim=16, sliding_window=WINDOW,
+                                          sliding_window_pattern=2,
+                                          layer_types=["sliding_attention", "full_attention"]),
+                    (SLIDING, NO_ROPE, QK_NORM), "RoPE in sliding layers only, norms after attention and MLP",
+                    perturbed=True),
+    "olmo2": Arch("Olmo2Config", dict(**GQA, intermediate_size=96), (QK_NORM,),
+                  "norms after attention and MLP, QK-norm over all heads", perturbed=True),
+    "nemotron": Arch("NemotronConfig", dict(**GQA, intermediate_size=96, head_dim=16), (PARTIAL_ROPE,),
+                     "squared-ReLU MLP, (1 + w) LayerNorm", perturbed=True),
+    "stablelm": Arch("StableLmConfig", dict(**GQA, intermediate_size=96, qk_layernorm=True,
+                                            use_parallel_residual=True, use_qkv_bias=True), (PARTIAL_ROPE, QK_NORM),
+                     "per-head LayerNorm QK-norm, parallel residual, qkv bias", perturbed=True),
+    "glm4": Arch("Glm4Config", dict(**GQA, intermediate_size=96, head_dim=16), (PARTIAL_ROPE,),
+                 "interleaved partial rotary, norms after attention and MLP", perturbed=True),
+    "gpt_bigcode": Arch("GPTBigCodeConfig", dict(n_inner=96), (), "multi-query, learned absolute positions",
+                        perturbed=True),
 }
 
 
@@ -103,9 +126,26 @@ def build_model(arch: str, directory: Path, tokenizer) -> Path:
     config = getattr(transformers, entry.config_class)(**{**COMMON, **entry.fields})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(directory)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        if entry.perturbed:
+            _perturb(model)
+        model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def _perturb(model: torch.nn.Module) -> None:
+    """Noise on the norms and biases and random values where a weight starts all zero: with their initial ones and
+    zeros (and transformers' small default init) some families' tiny models repeat one token, which would compare
+    nothing; this way a wrong norm offset, bias or parallel branch changes the tokens."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+            elif not parameter.any():
+                parameter.normal_(0.0, 0.1)
+            else:
+                parameter.mul_(5.0)  # transformers' std 0.02 → 0.1
 
 
 def transformers_tokens(directory: Path, tokenizer, prompts: list[str]) -> list[list[int]]:
