@@ -80,6 +80,10 @@ def load_backend(manifest: Manifest, kind: str = "onnxruntime", threads: int | N
     if kind != "torch" and manifest.target == "torch":
         raise ArtifactError(f"'{manifest.directory}' was compiled with --target torch ({manifest.model_file.name}): "
                             "load it with backend='torch' (device='cpu' or 'cuda')")
+    if kind == "onnxruntime" and manifest.spec.dtype == "bfloat16":
+        raise ArtifactError(f"'{manifest.directory}' is a bfloat16 artifact, which runs on TensorRT "
+                            "(backend='tensorrt'), not on ONNX Runtime (no bfloat16 MatMul on its CPU, no bfloat16 "
+                            "in numpy for the caches): compile with --dtype float16 for ONNX Runtime")
     if kind == "onnxruntime":
         from fxllm.runtime.backend_ort import OrtBackend
 

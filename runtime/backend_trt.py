@@ -107,7 +107,9 @@ class TrtBackend:
             if not self.context.execute_async_v3(self.stream.cuda_stream):
                 raise RuntimeError("TensorRT execution failed")
         self.stream.synchronize()
-        return {name: tensor.cpu().numpy() for name, tensor in outputs.items()}
+        # numpy has no bfloat16: a bfloat16 cache comes back as float32 (exact) and goes in again as bfloat16
+        return {name: (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).cpu().numpy()
+                for name, tensor in outputs.items()}
 
 
 def _torch_dtype(torch, trt, dtype):

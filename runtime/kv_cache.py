@@ -15,10 +15,9 @@ class ContiguousKVCache:
     values: list[np.ndarray]
 
     @classmethod
-    def empty(cls, layers: int, batch: int, kv_heads: int, head_dim: int) -> ContiguousKVCache:
+    def empty(cls, layers: int, batch: int, kv_heads: int, head_dim: int, dtype=np.float32) -> ContiguousKVCache:
         shape = (batch, kv_heads, 0, head_dim)
-        return cls([np.zeros(shape, np.float32) for _ in range(layers)],
-                   [np.zeros(shape, np.float32) for _ in range(layers)])
+        return cls([np.zeros(shape, dtype) for _ in range(layers)], [np.zeros(shape, dtype) for _ in range(layers)])
 
     @property
     def length(self) -> int:
@@ -151,7 +150,16 @@ def new_contiguous_cache(io: ModelIO, spec: ModelSpec, backend: object, batch: i
     """An empty contiguous cache for a graph of this calling convention: in-place buffers for a shared-buffer graph,
     else the backend's (device-resident) kind if it has one, else host arrays."""
     if io.shared_buffer:
-        return SharedKVCache.empty(io.num_layers, batch, spec.num_kv_heads, spec.head_dim,
-                                   np.int8 if "int8" in io.cache_dtypes else np.float32)
-    make = getattr(backend, "new_contiguous_cache", ContiguousKVCache.empty)
-    return make(io.num_layers, batch, spec.num_kv_heads, spec.head_dim)
+        return SharedKVCache.empty(io.num_layers, batch, spec.num_kv_heads, spec.head_dim, host_cache_dtype(io))
+    make = getattr(backend, "new_contiguous_cache", None)
+    if make is not None:
+        return make(io.num_layers, batch, spec.num_kv_heads, spec.head_dim)
+    return ContiguousKVCache.empty(io.num_layers, batch, spec.num_kv_heads, spec.head_dim, host_cache_dtype(io))
+
+
+def host_cache_dtype(io: ModelIO) -> np.dtype:
+    """The numpy element type of a graph's cache tensors: int8 codes, float16 for a half-precision artifact, else
+    float32 (bfloat16 too, which numpy lacks: the TensorRT backend converts on the device; ONNX Runtime refuses
+    bfloat16 artifacts when loading them)."""
+    names = io.cache_dtypes
+    return np.dtype(next(iter(names))) if len(names) == 1 and names <= {"int8", "float16"} else np.dtype(np.float32)

@@ -22,6 +22,7 @@ the lm_head does not run for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from fxllm.runtime.backend import Backend, StepFeeds
 from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, LOGITS, LOGITS_INDEX,
                                     POSITION_IDS, ModelIO, ModelSpec, is_block_run)
 from fxllm.runtime.decode_mask import DecodeMask
-from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache, new_contiguous_cache
+from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache, host_cache_dtype, new_contiguous_cache
 from fxllm.runtime.paged_cache import HeadMajorKVPool, PagedKVPool
 from fxllm.runtime.scheduler import PREFILL, ScheduledBatch
 
@@ -60,8 +61,8 @@ class ModelRunner:
         """A runner with its KV storage: a pool of `num_blocks` blocks for paged artifacts."""
         pool = None
         if io.paged:
-            make = getattr(backend, "new_paged_pool", PagedKVPool)  # a backend may keep the pool on its device
-            make = HeadMajorKVPool if io.head_major_pool else make
+            host = partial(HeadMajorKVPool if io.head_major_pool else PagedKVPool, dtype=host_cache_dtype(io))
+            make = host if io.head_major_pool else getattr(backend, "new_paged_pool", host)  # a backend's device pool
             pool = make(io.num_layers, num_blocks, io.block_size, spec.num_kv_heads, spec.head_dim)
         return cls(backend, io, spec, pad_token_id, pool, prefill_tokens)
 

@@ -51,8 +51,9 @@ class StepKV:
     """Where a step's new_key_i / new_value_i outputs [batch, Hkv, tokens, D] are written (StepFeeds.outputs):
     views of one reused array [2·layers, batch, Hkv, tokens, D], and the step's new K/V as that one array."""
 
-    def __init__(self, outputs: list[str]):
+    def __init__(self, outputs: list[str], dtype=np.float32):
         self._outputs = outputs
+        self._dtype = dtype
         self._array: np.ndarray | None = None
         self._feeds: dict[str, np.ndarray] = {}
 
@@ -60,7 +61,7 @@ class StepKV:
         """The destinations, the same dict while the shape holds."""
         shape = (len(self._outputs), batch, kv_heads, tokens, head_dim)
         if self._array is None or self._array.shape != shape:
-            self._array = np.empty(shape, np.float32)
+            self._array = np.empty(shape, self._dtype)
             self._feeds = dict(zip(self._outputs, self._array))
         return self._feeds
 
@@ -74,18 +75,20 @@ class StepKV:
 
 class PagedKVPool:
     """One allocation [2·layers, blocks, block_size, kv_heads, head_dim]: layer i's keys are row i, its values row
-    layers + i, so a step's new K/V of every layer are written with one indexed assignment."""
+    layers + i, so a step's new K/V of every layer are written with one indexed assignment. `dtype`: the graph's
+    cache element type (float16 for a half-precision artifact)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype=np.float32):
         self.block_size = block_size
-        self._pools = np.zeros((2 * num_layers, num_blocks, block_size, kv_heads, head_dim), np.float32)
+        self._pools = np.zeros((2 * num_layers, num_blocks, block_size, kv_heads, head_dim), dtype)
         self._pools[:, 0, 0] = 0  # the first request's pages, now (see above)
         self.keys = list(self._pools[:num_layers])
         self.values = list(self._pools[num_layers:])
         self._names = [cache_input(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
         self._outputs = [cache_output(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
         self._feeds: tuple[tuple[int, int | None], dict[str, np.ndarray]] | None = None
-        self._new = StepKV(self._outputs)
+        self._new = StepKV(self._outputs, dtype)
 
     @property
     def nbytes(self) -> int:
@@ -127,18 +130,19 @@ class HeadMajorKVPool:
     or the padding, rows the step never reads). A step of one sequence whose blocks form a run writes its K/V in
     place (`run_outputs`); any other step's new K/V are written here (`write`), as in PagedKVPool."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype=np.float32):
         self.block_size = block_size
         slots = num_blocks * block_size
         tensors = 2 * num_layers
-        self._flat = np.zeros((tensors * kv_heads + 1) * slots * head_dim, np.float32)
+        self._flat = np.zeros((tensors * kv_heads + 1) * slots * head_dim, dtype)
         self._pools = self._flat[:tensors * kv_heads * slots * head_dim].reshape(tensors, kv_heads, slots, head_dim)
         self._pools[:, :, 0] = 0  # the first request's pages, now (see above)
         self._names = [cache_input(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
         self._outputs = [cache_output(PAGED, kind, i) for kind in ("key", "value") for i in range(num_layers)]
         self._view_shape = (1, kv_heads, slots, head_dim)
         self._feeds: tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
-        self._new = StepKV(self._outputs)
+        self._new = StepKV(self._outputs, dtype)
 
     @property
     def nbytes(self) -> int:

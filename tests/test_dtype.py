@@ -104,6 +104,30 @@ def test_fp16_tensorrt_form_runs_on_onnx_runtime_within_its_drift(fp16_tensorrt,
     assert np.abs(half - full).max() < 10 * drift["max_abs_logit"] + 1e-3
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp16_tensorrt_form_generates_through_fxllm_load(fp16_tensorrt, make_tiny_model, tmp_path, paged):
+    """fxllm's own runtime runs the half-precision ONNX on ONNX Runtime (its caches and paged pool in float16, as
+    the graph declares them; they were float32, which ONNX Runtime refused at the first step): greedy tokens of
+    the float32 TensorRT form, contiguous and paged."""
+    if paged:
+        passes = "cleanup,gqa,fuse-projections,select-logits,kv-cache,paged"
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "half", target="tensorrt", dtype="float16", passes=passes)
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "full", target="tensorrt", passes=passes)
+        half, full = tmp_path / "half", tmp_path / "full"
+    else:
+        half = fp16_tensorrt
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "full", target="tensorrt")
+        full = tmp_path / "full"
+    tokens = [[r.token_ids for r in fxllm.load(a).generate(PROMPTS, max_new_tokens=8)] for a in (half, full)]
+    assert tokens[0] == tokens[1]
+
+
+def test_bf16_tensorrt_form_is_refused_by_onnx_runtime_in_one_line(make_tiny_model, tmp_path):
+    fxllm.compile(make_tiny_model("llama"), tmp_path / "artifact", target="tensorrt", dtype="bfloat16")
+    with pytest.raises(FxllmError, match=r"is a bfloat16 artifact, which runs on TensorRT .*--dtype float16"):
+        fxllm.load(tmp_path / "artifact")
+
+
 def prompt_logits(artifact, ids=((1, 400, 500, 600, 700, 800),)) -> np.ndarray:
     """Logits of every position of `ids` from a contiguous artifact's model.onnx on a raw ONNX Runtime session (an
     empty cache of the type and shape its inputs declare)."""
