@@ -1,9 +1,11 @@
 """The files of an artifact that loading trusts only after checking them: every path the manifest names stays inside
-the artifact directory, every listed file has its recorded size and sha256, and the tokenizer directory holds only
-files the manifest lists (tokenizer loaders read whatever they find there)."""
+the artifact directory, every listed file has its recorded size and sha256, the tokenizer directory holds only
+files the manifest lists (tokenizer loaders read whatever they find there), and so does a model file's external
+data (ONNX Runtime reads it by name)."""
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,20 @@ def verify_files(manifest: Manifest) -> None:
                                 "the artifact")
         if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
             raise ArtifactError(f"artifact file '{name}' is corrupt (checksum mismatch); recompile the artifact")
+
+
+def check_weights_listed(manifest: Manifest) -> None:
+    """A model file's external data (`model.onnx.data` next to `model.onnx`: ONNX Runtime reads whatever file of
+    that name it finds) must be a file the manifest lists and therefore checksums: weights the manifest stopped
+    listing would be read unchecked."""
+    models = [manifest.model_file] + ([manifest.unrolled_draft.model_file] if manifest.unrolled_draft else [])
+    root = manifest.directory.resolve()
+    for model in models:
+        for path in sorted(model.parent.glob(f"{glob.escape(model.name)}.*")):
+            relative = path.relative_to(root).as_posix()
+            if path.is_file() and relative not in manifest.files:
+                raise ArtifactError(f"'{relative}' (the weights of {model.name}) is not checksummed by the artifact's "
+                                    "manifest; recompile the artifact")
 
 
 def check_tokenizer_dir(manifest: Manifest) -> None:

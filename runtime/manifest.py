@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from fxllm.errors import ArtifactError
-from fxllm.runtime.artifact_files import check_tokenizer_dir, confine, verify_files
+from fxllm.runtime.artifact_files import check_tokenizer_dir, check_weights_listed, confine, verify_files
 from fxllm.runtime.contract import (ARTIFACT_KIND, FLOAT_DTYPES, FORMAT_VERSION, MANIFEST_FILE, MAX_SPEC_K, TARGETS,
                                     ModelIO, ModelSpec, TensorSig)
 
@@ -108,6 +108,7 @@ def load_manifest(directory: str | os.PathLike, verify: bool = True) -> Manifest
         raise ArtifactError(f"cannot read {path}: {exc.strerror}") from exc
     manifest = parse_manifest(data, directory)
     check_tokenizer_dir(manifest)
+    check_weights_listed(manifest)
     if verify:
         verify_files(manifest)
     return manifest
@@ -272,8 +273,8 @@ def _passes(records: list[Any], fields_: _Fields) -> None:
 
 
 def _records(data: dict[str, Any], fields_: _Fields) -> None:
-    """The compile's records that only `fxllm inspect` reads, each optional: `source` {"name": str, ...} and
-    `compile_seconds` {phase: seconds}. Checked like every field, so that inspecting an edited manifest is an
+    """The compile's records that only `fxllm inspect` reads, each optional: `source` {"name": str, ...},
+    `compile_seconds` {phase: seconds} and `lowering` (its `kv_cache`: dtype, calibration, drift). Checked like every field, so that inspecting an edited manifest is an
     ArtifactError, not a crash while it is printed."""
     source = data.get("source")
     if "source" in data and not (isinstance(source, dict) and isinstance(source.get("name"), str)):
@@ -281,6 +282,15 @@ def _records(data: dict[str, Any], fields_: _Fields) -> None:
     seconds = data.get("compile_seconds")
     if "compile_seconds" in data and not (isinstance(seconds, dict) and all(_is_number(v) for v in seconds.values())):
         fields_.fail("compile_seconds", "must map each compile phase to its seconds")
+    lowering = data.get("lowering")
+    if "lowering" in data and not isinstance(lowering, dict):
+        fields_.fail("lowering", "must be the lowering's record, an object")
+    kv_cache = (lowering or {}).get("kv_cache")
+    if kv_cache is not None and not (
+            isinstance(kv_cache, dict) and all(isinstance(kv_cache.get(k), str) for k in ("dtype", "calibration"))
+            and isinstance(kv_cache.get("drift"), dict) and all(key in kv_cache["drift"] for key in DRIFT_FIELDS)
+            and all(_is_number(v) for v in kv_cache["drift"].values())):
+        fields_.fail("lowering.kv_cache", "must record the KV cache's dtype, calibration and drift")
 
 
 def _tensorrt(data: Any, fields_: _Fields) -> None:

@@ -47,3 +47,14 @@ def test_a_listed_file_that_is_absent_is_still_missing(artifact):
     _listing(artifact, "gone.bin")
     with pytest.raises(ArtifactError, match="artifact file 'gone.bin' is missing from"):
         load_manifest(artifact)
+
+
+def test_weights_the_manifest_stopped_listing_are_refused(artifact):
+    """model.onnx.data dropped from the manifest's files (and then changed) is not read unchecked: ONNX Runtime
+    would load whatever file of that name it finds, and the generation was garbage with exit status 0."""
+    path = artifact / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    del manifest["files"]["model.onnx.data"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"'model.onnx.data' \(the weights of model.onnx\) is not checksummed"):
+        load_manifest(artifact)

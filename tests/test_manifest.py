@@ -146,6 +146,10 @@ def test_a_format_version_older_than_any_this_fxllm_reads_is_refused(artifact, v
     (("compile_seconds",), {"load": None}, "'compile_seconds' must map each compile phase"),
     (("compile_seconds",), ["load"], "'compile_seconds' must map each compile phase"),
     (("passes", 0, "drift"), {}, "'passes' holds .* not a pass record"),
+    (("lowering",), "x", "'lowering' must be the lowering's record"),
+    (("lowering",), 12, "'lowering' must be the lowering's record"),
+    (("lowering", "kv_cache"), "x", "'lowering.kv_cache' must record the KV cache's dtype, calibration and drift"),
+    (("lowering", "kv_cache"), {"dtype": "int8"}, "'lowering.kv_cache' must record"),
 ])
 def test_inspect_of_edited_compile_records_is_an_artifact_error(artifact, path, value, message):
     """The records only `fxllm inspect` prints are checked like every field: an edited one crashed the printing
