@@ -13,6 +13,7 @@ Mixture-of-experts routers stay float; the experts are rounded to nearest (compi
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -66,11 +67,18 @@ class QuantizedLinear:
 
 
 def _check_pass_options(*, method: str, group_size: int | None, lm_head: str, embedding: str, calib: str,
-                        **_: object) -> None:
+                        damp: float = 0.01, **_: object) -> None:
     """Everything quantize would refuse, checked when the pipeline is built (before loading the model)."""
     _check_options(method, METHOD_DEFAULTS.get(method, (128, False))[0] if group_size is None else group_size,
                    lm_head, embedding)
     check_calibration_source(calib)
+    _check_damp(damp)
+
+
+def _check_damp(damp: object) -> None:
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not math.isfinite(damp) or damp < 0:
+        raise PipelineError(f"quantize: damp (GPTQ's dampening, a fraction of the Hessian's mean diagonal added to "
+                            f"it) must be a finite number >= 0, got {damp!r}")
 
 
 def check_calibration_length(options: dict[str, Any], tokenizer, max_positions: int) -> None:
@@ -97,6 +105,7 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
         raise PipelineError(f"quantize: zero_point applies to the int4 methods (int4-rtn, int4-gptq, int4-awq); {why}")
     zero_point = default_zero_point if zero_point is None else zero_point
     _check_options(method, group_size, lm_head, embedding)
+    _check_damp(damp)
     if method == "gguf":
         return _keep_gguf_blocks(program)
     head = _logits_linear(program)

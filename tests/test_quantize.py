@@ -290,6 +290,8 @@ def test_quantize_bad_options(make_tiny_model, tmp_path):
                           ("method=int4-rtn;group_size=24;zero_point=true", "power of two"),
                           ("method=int4-rtn;lm_head=int2", "lm_head must be one of"),
                           ("method=int8;zero_point=true", "zero_point applies to the int4 methods"),
+                          ("method=int4-gptq;damp=nan", "damp .* must be a finite number >= 0, got nan"),
+                          ("method=int4-gptq;damp=-0.5", "damp .* must be a finite number >= 0, got -0.5"),
                           (f"method=int4-gptq;calib={empty}", "is empty"),
                           (f"method=int4-gptq;calib={marked}", "is empty"),
                           (f"method=int4-awq;calib={short}",  # windows cut to the tiny model's 256 positions
