@@ -88,7 +88,7 @@ class EvalReport:
 
     def text(self) -> str:
         lines = [f"model        {self.model}",
-                 f"scored       {self.tokens} tokens in {self.windows} windows of {self.ctx}",
+                 f"scored       {self.tokens} tokens in {self.windows} window{'s' * (self.windows != 1)} of {self.ctx}",
                  f"perplexity   {self.perplexity:.4f}"]
         if self.reference:
             lines += [f"reference    {self.reference}: perplexity {self.reference_perplexity:.4f}",

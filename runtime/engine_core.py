@@ -79,7 +79,8 @@ class EngineCore:
     def check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids once prompt and params are checked for this model (InvalidArgumentError naming the
         argument, as the Python API's checks: runtime/request_validation.py): a valid-Unicode text or token ids of the
-        vocabulary; not empty; prompt + max_tokens within the context and within the KV pool."""
+        vocabulary; not empty; prompt + max_tokens within the context and within the KV pool; stop_token_ids within
+        the vocabulary."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError("params", f"params must be a SamplingParams, got {describe(params)}")
         if isinstance(prompt, str):
@@ -87,6 +88,10 @@ class EngineCore:
         else:
             ids = check_token_ids("prompt", prompt, self.vocab_size)
         check_prompt_length(len(ids), params.max_tokens, self.max_context)
+        outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if outside:  # it could never be generated, so never stop anything
+            raise InvalidArgumentError("stop_token_ids", f"stop token id {outside[0]} is outside the model's "
+                                                         f"vocabulary (0 to {self.vocab_size - 1})")
         self.scheduler.check_fits(len(ids), params.max_tokens)
         return ids
 

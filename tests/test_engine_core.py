@@ -226,6 +226,8 @@ def test_bad_input_is_refused_at_once_and_the_core_keeps_running(paged_artifact,
         (("float", [1, 2.5], SamplingParams()), r"prompt\[1\] must be an integer, got float 2.5", "prompt"),
         (("text", "a\ud800", SamplingParams()), "prompt is not valid Unicode", "prompt"),
         (("empty", [], SamplingParams()), "the prompt is empty", "prompt"),
+        (("stop", ids[1], SamplingParams(stop_token_ids=[10**6])), "stop token id 1000000 is outside the model's "
+                                                                   "vocabulary", "stop_token_ids"),
         (("type", ids[1], {"max_tokens": 4}), "params must be a SamplingParams", "params"),
         ((7, ids[1], SamplingParams()), "request_id must be a non-empty string", "request_id"),
         (("good", ids[1], SamplingParams()), "request id 'good' is already in use", None),
