@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
 PROMPTS = ["The quick brown fox",
            "In 1911 the Encyclopaedia Britannica described the life of William Shakespeare, who was born in",
            "def fibonacci(n):"]
@@ -75,20 +77,6 @@ def make_config(arch: str):
     return config_class(**fields), fields
 
 
-def perturb(model) -> None:
-    """As tests/test_architectures.py's perturbed rows: a wrong norm offset, bias or branch changes the tokens."""
-    import torch
-
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.ndim == 1:
-                parameter.add_(torch.randn_like(parameter) * 0.1)
-            elif not parameter.any():
-                parameter.normal_(0.0, 0.1)
-            else:
-                parameter.mul_(5.0)
-
-
 def tokenizer(work: Path):
     from transformers import AutoTokenizer
 
@@ -121,6 +109,9 @@ def one(arch: str, work: Path) -> dict:
     import transformers
 
     import fxllm
+
+    sys.path.insert(0, str(ROOT))
+    from tests.test_architectures import perturb  # the matrix's perturbed rows, the same way
 
     directory, artifact = work / arch, work / f"{arch}-artifact"
     result: dict = {"arch": arch}

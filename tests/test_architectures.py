@@ -128,13 +128,13 @@ def build_model(arch: str, directory: Path, tokenizer) -> Path:
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
         if entry.perturbed:
-            _perturb(model)
+            perturb(model)
         model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
 
-def _perturb(model: torch.nn.Module) -> None:
+def perturb(model: torch.nn.Module) -> None:
     """Noise on the norms and biases and random values where a weight starts all zero: with their initial ones and
     zeros (and transformers' small default init) some families' tiny models repeat one token, which would compare
     nothing; this way a wrong norm offset, bias or parallel branch changes the tokens."""
