@@ -267,15 +267,20 @@ def _passes(records: list[Any], fields_: _Fields) -> None:
     for record in records:
         if not (isinstance(record, dict) and isinstance(record.get("name"), str)
                 and isinstance(record.get("options"), dict) and _is_number(record.get("seconds"))
-                and isinstance(record.get("drift"), dict) and all(_is_number(v) for v in record["drift"].values())
-                and all(key in record["drift"] for key in DRIFT_FIELDS)):
+                and _is_drift(record.get("drift"))):
             fields_.fail("passes", f"holds {str(record)[:80]}, not a pass record")
+
+
+def _is_drift(value: Any) -> bool:
+    """A drift record as the compiler writes it: every DRIFT_FIELDS key, every value a number."""
+    return (isinstance(value, dict) and all(key in value for key in DRIFT_FIELDS)
+            and all(_is_number(v) for v in value.values()))
 
 
 def _records(data: dict[str, Any], fields_: _Fields) -> None:
     """The compile's records that only `fxllm inspect` reads, each optional: `source` {"name": str, ...},
-    `compile_seconds` {phase: seconds} and `lowering` (its `kv_cache`: dtype, calibration, drift). Checked like every field, so that inspecting an edited manifest is an
-    ArtifactError, not a crash while it is printed."""
+    `compile_seconds` {phase: seconds} and `lowering` (its `kv_cache`: dtype, calibration, drift). Checked like
+    every field, so that inspecting an edited manifest is an ArtifactError, not a crash while it is printed."""
     source = data.get("source")
     if "source" in data and not (isinstance(source, dict) and isinstance(source.get("name"), str)):
         fields_.fail("source", "must be {\"name\": the model compiled, ...}")
@@ -288,8 +293,7 @@ def _records(data: dict[str, Any], fields_: _Fields) -> None:
     kv_cache = (lowering or {}).get("kv_cache")
     if kv_cache is not None and not (
             isinstance(kv_cache, dict) and all(isinstance(kv_cache.get(k), str) for k in ("dtype", "calibration"))
-            and isinstance(kv_cache.get("drift"), dict) and all(key in kv_cache["drift"] for key in DRIFT_FIELDS)
-            and all(_is_number(v) for v in kv_cache["drift"].values())):
+            and _is_drift(kv_cache.get("drift"))):
         fields_.fail("lowering.kv_cache", "must record the KV cache's dtype, calibration and drift")
 
 

@@ -61,8 +61,10 @@ class ModelRunner:
         """A runner with its KV storage: a pool of `num_blocks` blocks for paged artifacts."""
         pool = None
         if io.paged:
-            host = partial(HeadMajorKVPool if io.head_major_pool else PagedKVPool, dtype=host_cache_dtype(io))
-            make = host if io.head_major_pool else getattr(backend, "new_paged_pool", host)  # a backend's device pool
+            if io.head_major_pool:
+                make = partial(HeadMajorKVPool, dtype=host_cache_dtype(io))
+            else:  # a backend may keep the pool on its device
+                make = getattr(backend, "new_paged_pool", None) or partial(PagedKVPool, dtype=host_cache_dtype(io))
             pool = make(io.num_layers, num_blocks, io.block_size, spec.num_kv_heads, spec.head_dim)
         return cls(backend, io, spec, pad_token_id, pool, prefill_tokens)
 
