@@ -88,10 +88,7 @@ class EngineCore:
         else:
             ids = check_token_ids("prompt", prompt, self.vocab_size)
         check_prompt_length(len(ids), params.max_tokens, self.max_context)
-        outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if outside:  # it could never be generated, so never stop anything
-            raise InvalidArgumentError("stop_token_ids", f"stop token id {outside[0]} is outside the model's "
-                                                         f"vocabulary (0 to {self.vocab_size - 1})")
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)  # one outside could never stop
         self.scheduler.check_fits(len(ids), params.max_tokens)
         return ids
 
