@@ -31,10 +31,12 @@ def parse_pipeline(text: str | list[str] | tuple[str, ...] | None) -> list[tuple
     odd = [item for item in items if not isinstance(item, str)]
     if odd:
         raise PipelineError(f"passes must be pass names (strings), got {type(odd[0]).__name__} {odd[0]!r}")
+    if not any(item.strip() for item in items):
+        raise PipelineError("the pass list is empty")
     steps = []
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
+    for position, item in enumerate((i.strip() for i in items), 1):
+        if not item:  # 'a,,b' or 'a,b,': a pass name lost in editing, not a pass to skip
+            raise PipelineError(f"the pass list {short(','.join(items))} has an empty entry at position {position}")
         name, _, option_text = item.partition(":")
         options = {}
         for pair in filter(None, option_text.split(";")):
@@ -46,8 +48,6 @@ def parse_pipeline(text: str | list[str] | tuple[str, ...] | None) -> list[tuple
                 raise PipelineError(f"pass option '{key}' of '{name}' is given twice")
             options[key] = value.strip()
         steps.append((name.strip(), options))
-    if not steps:
-        raise PipelineError("the pass list is empty")
     return steps
 
 

@@ -78,6 +78,12 @@ def test_empty_pipeline_is_rejected():
         parse_pipeline(" , ")
 
 
+@pytest.mark.parametrize("text, position", [("cleanup,,kv-cache", 2), ("cleanup,kv-cache,", 3), (" ,cleanup", 1)])
+def test_an_empty_entry_in_the_pass_list_is_refused_not_skipped(text, position):
+    with pytest.raises(PipelineError, match=f"has an empty entry at position {position}$"):
+        parse_pipeline(text)
+
+
 def test_an_exact_pass_that_changes_tokens_fails_the_compile(make_tiny_model):
     import torch
 
