@@ -35,6 +35,9 @@ RENDER_SECONDS = 5.0  # a chat template renders in milliseconds; one still runni
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+# Levels of lists and objects in a message or template variable: a tool's JSON schema nests a dozen; the rebuild and a
+# template's walk recurse once a level, and Python's recursion limit (1,000 frames) must never be what ends them.
+MAX_NESTING = 100
 RENDERER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")  # what render_chat sets itself
 
 
@@ -54,10 +57,10 @@ def render_chat(template: str, messages: Any, *, add_generation_prompt: bool = T
     taken = sorted(set(variables) & set(RENDERER_VARIABLES))
     if taken:
         raise GenerationError(f"a chat template variable cannot be called {', '.join(taken)}: the renderer sets it")
+    inputs = {"tools": plain_json(tools), "documents": plain_json(documents), **plain_json(variables)}
     try:
-        return render_within(compiled, RENDER_SECONDS, messages=conversation, tools=_plain(tools),
-                             documents=_plain(documents), add_generation_prompt=add_generation_prompt,
-                             **_plain(variables))
+        return render_within(compiled, RENDER_SECONDS, messages=conversation,
+                             add_generation_prompt=add_generation_prompt, **inputs)
     except RenderTimeout as exc:
         raise GenerationError(f"{exc} over a conversation of {len(conversation):,} messages (a template loop without "
                               "end, or an enormous conversation); nothing was generated") from None
@@ -90,7 +93,7 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise GenerationError("a chat needs a non-empty list of messages")
     conversation = []
-    for message in _plain(list(messages)):
+    for message in plain_json(list(messages)):
         if not isinstance(message, dict):
             raise GenerationError(f"each chat message must be an object with 'role' and 'content', got {message!r}")
         message = {key: value for key, value in message.items() if value is not None}
@@ -101,12 +104,17 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
     return conversation
 
 
-def _plain(value: Any) -> Any:
+def plain_json(value: Any, depth: int = 0) -> Any:
     """Rebuild a value from exact JSON types, so the template only ever sees objects without dangerous methods.
-    A value with no JSON form (bytes, a set, a path, any other object) is a GenerationError: rendered as a
-    placeholder it would reach the model as text the caller never wrote."""
+    A value with no JSON form (bytes, a set, a path, any other object), or lists and objects nested more than
+    MAX_NESTING deep, is a GenerationError: rendered as a placeholder it would reach the model as text the caller
+    never wrote, and a deeper value would end the rebuild (or the template's walk) in Python's recursion limit."""
     if value is None or type(value) in (str, int, float, bool):
         return value
+    if depth >= MAX_NESTING and isinstance(value, (Mapping, list, tuple)):
+        raise GenerationError(f"a chat message or template variable nests lists or objects more than {MAX_NESTING} "
+                              "levels deep")
+    depth += 1
     if isinstance(value, str):  # subclasses (enums, numpy strings) may carry methods: back to the base type
         return str.__str__(value)
     if isinstance(value, int):
@@ -114,17 +122,17 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {_plain(key): _plain(item) for key, item in value.items()}
+        return {plain_json(key, depth): plain_json(item, depth) for key, item in value.items()}
     if isinstance(value, list):
-        return [_plain(item) for item in value]
+        return [plain_json(item, depth) for item in value]
     if isinstance(value, tuple):
-        return tuple(_plain(item) for item in value)
+        return tuple(plain_json(item, depth) for item in value)
     if isinstance(value, np.generic):  # np.bool_(False) must not become a truthy placeholder
-        return _plain(value.item())
+        return plain_json(value.item())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+        return {field.name: plain_json(getattr(value, field.name), depth) for field in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):  # pydantic models, e.g. the openai client's messages
-        return _plain(value.model_dump())
+        return plain_json(value.model_dump(), depth)
     hint = "; decode bytes to text first" if isinstance(value, (bytes, bytearray, memoryview)) else ""
     raise GenerationError(f"a chat message or template variable holds a {type(value).__name__} value, which has no "
                           f"JSON form: give text, numbers, lists or objects{hint}")

@@ -346,6 +346,20 @@ def test_bad_conversations_are_refused(tokenizer_dir):
             ours.apply_chat_template([{"role": "user", "content": content}])
     with pytest.raises(GenerationError, match="set value"):
         ours.apply_chat_template(CONVERSATIONS[0], date_string={"today"})
+    # nested past Python's recursion limit's reach: a RecursionError escaped (a 500 over HTTP) at 500 levels
+    deep = 1
+    for _ in range(600):
+        deep = [deep]
+    for messages, variables in (([{"role": "assistant", "content": "a", "tool_calls": [{"x": deep}]}], {}),
+                                (CONVERSATIONS[0], {"options": {"x": deep}})):
+        with pytest.raises(GenerationError, match=r"^a chat message or template variable nests lists or objects "
+                                                  r"more than 100 levels deep$"):
+            ours.apply_chat_template(messages, **variables)
+    nested = 1
+    for _ in range(90):
+        nested = {"a": nested}  # a deep but sane value still renders
+    assert ours.apply_chat_template(CONVERSATIONS[0], chat_template="{{ x.a.a.a }}", x=nested) == "{'a': " * 87 + \
+        "1" + "}" * 87
 
 
 def test_bad_tokenizer_files_are_artifact_errors(tokenizer_dir, tmp_path):

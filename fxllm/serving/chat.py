@@ -15,7 +15,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fxllm.runtime.chat_template import RENDERER_VARIABLES
+from fxllm.errors import GenerationError
+from fxllm.runtime.chat_template import RENDERER_VARIABLES, plain_json
 from fxllm.runtime.request import MAX_LOGPROBS
 from fxllm.serving.errors import APIError
 from fxllm.serving.logprobs import chat_logprobs
@@ -93,11 +94,14 @@ RENDER_ARGUMENTS = (*RENDERER_VARIABLES, "chat_template")
 
 def template_variables(kwargs: dict | None) -> dict:
     """A request's chat_template_kwargs: variables the template sees besides the conversation (as vLLM takes them:
-    `enable_thinking` and the like); 400 for a name in RENDER_ARGUMENTS."""
+    `enable_thinking` and the like); 400 for a name in RENDER_ARGUMENTS or a value nested too deeply."""
     taken = sorted(set(kwargs or ()) & set(RENDER_ARGUMENTS))
     if taken:
         raise APIError(400, f"chat_template_kwargs cannot set {', '.join(taken)}", param="chat_template_kwargs")
-    return dict(kwargs or {})
+    try:
+        return plain_json(dict(kwargs or {}))  # what the renderer would refuse, refused here naming this field
+    except GenerationError as exc:
+        raise APIError(400, str(exc), param="chat_template_kwargs") from None
 
 
 def part_text(where: str, part: ContentPart) -> str:

@@ -207,6 +207,26 @@ def test_chat_template_kwargs_reach_the_template(loaded):
         assert error["message"] == f"chat_template_kwargs cannot set {name}"
 
 
+def test_a_value_nested_too_deeply_for_the_template_is_a_400_naming_its_field(loaded):
+    """600 levels of lists in a tool call or a template variable: the rebuild before rendering recursed into Python's
+    recursion limit (a 500 naming RecursionError); now a 400 naming where the value was."""
+    deep = 1
+    for _ in range(600):
+        deep = [deep]
+    messages = [{"role": "user", "content": "Hi"}]
+    in_call, in_kwargs = ask(loaded, [
+        {"method": "POST", "url": "/v1/chat/completions",
+         "json": {"model": NAME, "max_tokens": 1,
+                  "messages": [*messages, {"role": "assistant", "content": "a", "tool_calls": [{"x": deep}]}]}},
+        {"method": "POST", "url": "/v1/chat/completions",
+         "json": {"model": NAME, "max_tokens": 1, "messages": messages, "chat_template_kwargs": {"x": deep}}}])
+    for response, param in ((in_call, "messages"), (in_kwargs, "chat_template_kwargs")):
+        error = error_of(response)
+        assert (response.status_code, error["param"]) == (400, param), response.text
+        assert error["message"] == "a chat message or template variable nests lists or objects more than 100 " \
+                                   "levels deep"
+
+
 @pytest.mark.parametrize("field, value, default", [
     ("guided_json", {"type": "object"}, None), ("guided_choice", ["yes", "no"], None),
     ("structured_outputs", {"regex": "a+"}, None), ("min_p", 0.1, 0.0), ("repetition_penalty", 1.2, 1),
