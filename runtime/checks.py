@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
+from itertools import islice
 from numbers import Integral, Real
 from typing import Any
 
@@ -94,15 +95,25 @@ def path(param: str, value: Any, error: Callable[[str], Exception] | None = None
     raise error(message) if error is not None else InvalidArgumentError(param, message)
 
 
-def strings(param: str, value: Any) -> tuple[str, ...]:
-    """None (none), one string, or an iterable of strings, each valid Unicode (as `text`)."""
+def strings(param: str, value: Any, most: int | None = None, most_chars: int | None = None) -> tuple[str, ...]:
+    """None (none), one string, or an iterable of strings, each valid Unicode (as `text`); at most `most` strings
+    (counted before any is checked) of at most `most_chars` characters each, where given."""
     if value is None:
         return ()
     if isinstance(value, str):
-        return (text(param, value),)
-    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+        named = [(param, value)]
+    elif isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
         raise InvalidArgumentError(param, f"{param} must be a string or a list of strings, got {describe(value)}")
-    return tuple(text(f"{param}[{i}]", item, param=param) for i, item in enumerate(value))
+    else:
+        items = list(value if most is None else islice(value, most + 1))
+        if most is not None and len(items) > most:
+            raise InvalidArgumentError(param, f"{param} holds more than {most} strings")
+        named = [(f"{param}[{i}]", item) for i, item in enumerate(items)]
+    checked = tuple(text(name, item, param=param) for name, item in named)
+    for (name, _), item in zip(named, checked):
+        if most_chars is not None and len(item) > most_chars:
+            raise InvalidArgumentError(param, f"{name} has {len(item):,} characters; at most {most_chars:,}")
+    return checked
 
 
 def integers(param: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> tuple[int, ...]:

@@ -14,6 +14,10 @@ from fxllm.runtime.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from fxllm.runtime.metrics import RequestMetrics
 
 MAX_LOGPROBS = 20  # most alternatives per position (the OpenAI API's top_logprobs limit)
+# Stop strings are searched for after every token of every choice, on the step loop all requests share: a request
+# with 330,000 of them (a 3 MB body) slowed every other request 18x. OpenAI's API takes 4; these bounds leave room.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
 OUTPUT_KINDS = ("delta", "final")
 
 # Temperatures in (0, MIN_TEMPERATURE) sample greedily (argmax). As the temperature falls the distribution
@@ -33,8 +37,9 @@ class SamplingParams:
     limit. top_p: a finite number in (0, 1]. seed: None or an int >= 0 (each request samples from its own stream,
     so its tokens do not depend on its batch).
     max_tokens: most tokens to generate (>= 1; prompt + max_tokens must fit the model's context).
-    stop: strings that end generation (the text is cut before them); stop_token_ids: ids that end it (the id is
-    the last output token, its text is not shown); ignore_eos: do not stop at the model's EOS ids.
+    stop: strings that end generation (the text is cut before them; at most MAX_STOP_STRINGS of at most
+    MAX_STOP_CHARS characters); stop_token_ids: ids that end it (the id is the last output token, its text is not
+    shown); ignore_eos: do not stop at the model's EOS ids.
     logprobs: None, or N >= 0: every generated token's logprob plus the N most likely alternatives;
     prompt_logprobs: the same for every prompt token (the first has none), in the first output.
     Logprobs are log-softmax of the model's logits, before temperature/top-k/top-p.
@@ -62,7 +67,7 @@ class SamplingParams:
         if self.seed is not None:
             set_(self, "seed", integer("seed", self.seed, minimum=MIN_SEED))
         set_(self, "max_tokens", integer("max_tokens", self.max_tokens, minimum=1))
-        set_(self, "stop", strings("stop", self.stop))
+        set_(self, "stop", strings("stop", self.stop, most=MAX_STOP_STRINGS, most_chars=MAX_STOP_CHARS))
         set_(self, "stop_token_ids", integers("stop_token_ids", self.stop_token_ids, minimum=0))
         flag("ignore_eos", self.ignore_eos)
         for name in ("logprobs", "prompt_logprobs"):

@@ -166,6 +166,8 @@ def test_generate_ids_takes_numpy(engines, kind):
     (dict(stop=5), "stop"),
     (dict(stop=[5]), "stop"),
     (dict(stop="a\ud800"), "stop"),
+    (dict(stop=["a"] * 17), "stop"),
+    (dict(stop="a" * 1025), "stop"),
     (dict(chat="yes"), "chat"),
 ])
 def test_wrong_types_and_ranges_name_the_parameter(engines, kind, arguments, param):
@@ -178,6 +180,20 @@ def test_wrong_types_and_ranges_name_the_parameter(engines, kind, arguments, par
         with pytest.raises(FxllmError, match=param) as caught:
             call()
         assert getattr(caught.value, "param", None) == param and "\n" not in str(caught.value)
+
+
+def test_stop_strings_are_bounded_and_counted_before_they_are_checked():
+    """A stop string is searched for after every token; a request's list is counted before its strings are checked,
+    so a generator of a million never gets walked."""
+    from fxllm.runtime.request import SamplingParams
+
+    with pytest.raises(FxllmError, match=r"^stop holds more than 16 strings$"):
+        SamplingParams(stop=(f"s{i}" for i in range(10**6)))
+    with pytest.raises(FxllmError, match=r"^stop\[1\] has 1,025 characters; at most 1,024$"):
+        SamplingParams(stop=["ok", "y" * 1025])
+    with pytest.raises(FxllmError, match=r"^stop has 1,025 characters; at most 1,024$"):
+        SamplingParams(stop="y" * 1025)
+    assert SamplingParams(stop=["z" * 1024] * 16).stop == ("z" * 1024,) * 16
 
 
 @pytest.mark.parametrize("prompts", [None, 5, b"bytes", {"a": 1}, [5], ["ok", None], "a\ud800b", ["ok", "\udcff"]])
