@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fxllm.errors import GenerationError, InvalidArgumentError
+from fxllm.errors import InvalidArgumentError
 from fxllm.runtime.backend import Backend, load_backend
 from fxllm.runtime.checks import describe
 from fxllm.runtime.contract import MAX_SPEC_K
@@ -24,10 +24,11 @@ from fxllm.runtime.manifest import Manifest, SpeculativePlan, load_manifest
 from fxllm.runtime.metrics import EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import RequestOutput, SamplingParams
-from fxllm.runtime.request_validation import (GenerationRequest, check_engine_options, check_kv_pool,
-                                              check_load_flags, check_prompt, check_prompt_ids, check_prompt_labels,
-                                              check_prompts, check_request, check_token_ids, check_tokenized,
-                                              encode_within_context)
+from fxllm.runtime.kv_cache import SharedKVCache
+from fxllm.runtime.request_validation import (GenerationRequest, available_memory, check_engine_options,
+                                              check_kv_pool, check_load_flags, check_prompt, check_prompt_ids,
+                                              check_prompt_labels, check_prompts, check_request, check_token_ids,
+                                              check_tokenized, encode_within_context)
 from fxllm.runtime.results import GenerationResult, collector, raise_failure
 from fxllm.runtime.scheduler import PagedScheduler, StaticBatchScheduler
 from fxllm.runtime.tokenizer import load_tokenizer
@@ -67,6 +68,7 @@ class Engine:
             eos_token_ids.add(tokenizer.eos_token_id)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         blocks = self._pool_blocks() if self.paged else None  # sized now, so a bad KV budget fails at load time
+        self.kv_tokens = None if self.paged else self._contiguous_kv_tokens()
         self.runner = ModelRunner.create(backend, self.io, self.spec, pad, blocks,
                                          prefill_tokens=None if self.paged else max_tokens_per_step)
         self.speculator = _speculator(self.runner, self.paged, self.max_context, speculative)
@@ -77,7 +79,8 @@ class Engine:
             scheduler = PagedScheduler(manager, max_batch, admission_tokens, prefill_call_tokens=max_tokens_per_step,
                                        speculative=bool(self.speculator), attention_span=self.spec.attention_span)
         else:  # speculative decoding on a contiguous cache verifies one request at a time
-            scheduler = StaticBatchScheduler(1 if self.speculator else max_batch)
+            scheduler = StaticBatchScheduler(1 if self.speculator else max_batch, self.kv_tokens, self.max_context,
+                                             SharedKVCache.MIN_CAPACITY if self.io.shared_buffer else 1)
         self.core = EngineCore(self.runner, scheduler, tokenizer, eos_token_ids, self.max_context,
                                self.spec.vocab_size, encode=self.encode, speculator=self.speculator)
         self.driver = CoreDriver(self.core)
@@ -114,10 +117,12 @@ class Engine:
         check_load_flags(backend, verify, prefix_caching, spin, torch_compile, int8_activations, unrolled_draft,
                          providers, device, huge_pages)
         manifest = load_manifest(path, verify=verify)
-        for name, value in (("kv_blocks", kv_blocks), ("kv_cache_memory", kv_cache_memory)):
-            if value is not None and not manifest.io.paged:  # refused, not ignored: the user meant to size a pool
-                raise InvalidArgumentError(name, f"{name} applies to paged artifacts; '{path}' has a contiguous KV "
-                                                 "cache (compile with the `paged` pass to use a KV pool)")
+        if kv_blocks is not None and kv_cache_memory is not None:  # one would be ignored without a word
+            raise InvalidArgumentError("kv_blocks", "kv_blocks and kv_cache_memory both size the KV cache; give one")
+        if kv_blocks is not None and not manifest.io.paged:  # refused, not ignored: the user meant to size a pool
+            raise InvalidArgumentError("kv_blocks", f"kv_blocks applies to paged artifacts; '{path}' has a contiguous "
+                                                    "KV cache (compile with the `paged` pass to use a KV pool, or "
+                                                    "bound its cache with kv_cache_memory)")
         plan = _speculative_plan(manifest, speculative)
         if spec_k is not None and plan is None:  # refused, not ignored: the user meant to speculate
             raise InvalidArgumentError("spec_k", f"spec_k sets how many tokens speculative decoding proposes, and "
@@ -165,6 +170,24 @@ class Engine:
             blocks = default_num_blocks(block_bytes, self.block_size, self.max_context)
         return check_kv_pool(int(blocks), block_bytes, self.kv_blocks, self.kv_cache_memory)  # before allocating
 
+    def _contiguous_kv_tokens(self) -> int | None:
+        """K/V positions (rows × columns) a contiguous batch's cache may hold: `kv_cache_memory`, else half the
+        memory available at load (None where that cannot be read: no bound). Without a bound a batch of 64 rows
+        grew to 64 full contexts (SmolLM2: 24 GB of float32 cache) and the kernel killed the process."""
+        from fxllm.runtime.paged_cache import parse_bytes
+
+        per_token = self.spec.kv_bytes_per_token()
+        smallest = SharedKVCache.MIN_CAPACITY if self.io.shared_buffer else 1
+        if self.kv_cache_memory is None:
+            available = available_memory()
+            return None if available is None else max(available // 2 // per_token, smallest)
+        tokens = parse_bytes(self.kv_cache_memory) // per_token
+        if tokens < smallest:
+            raise InvalidArgumentError("kv_cache_memory", f"a KV budget of {self.kv_cache_memory} holds {tokens} "
+                                                          f"positions of this model's cache ({per_token:,} bytes "
+                                                          f"each); its contiguous cache needs at least {smallest}")
+        return tokens
+
     # -- properties ---------------------------------------------------------------------------------------------
 
     @property
@@ -184,9 +207,10 @@ class Engine:
         self.core.eos_token_ids = set(ids)
 
     def capacity_tokens(self) -> int:
-        """Tokens the KV pool can hold (paged artifacts)."""
+        """Tokens of KV cache the engine can hold: a paged artifact's pool; a contiguous artifact's KV budget
+        (kv_cache_memory, or half the memory available at load), or its context where no budget could be read."""
         if not self.paged:
-            raise GenerationError("this artifact has a contiguous KV cache, not a pool; compile with `paged`")
+            return self.max_context if self.kv_tokens is None else self.kv_tokens
         return self.core.scheduler.manager.capacity_tokens
 
     def batcher(self) -> PagedScheduler | StaticBatchScheduler:

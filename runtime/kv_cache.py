@@ -62,6 +62,9 @@ class SharedKVCache:
     values: list[np.ndarray]
     length: int = 0
     pending: int = 0  # the total the step being run will leave
+    # Rows the batch can ever need (its longest prompt + its longest generation, within the context): doubling stops
+    # there, so the buffers stay within what the scheduler's KV budget counted for the batch. None: no ceiling.
+    ceiling: int | None = None
     _feeds: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
     MIN_CAPACITY = 256  # rows allocated at first; doubled whenever a step needs more (amortized copies)
 
@@ -78,7 +81,8 @@ class SharedKVCache:
     def reserve(self, total: int) -> None:
         """Make room for `total` rows (the step's past + new tokens), keeping the valid ones."""
         if total > self.capacity:
-            self.grow_to(max(total, 2 * self.capacity))
+            doubled = 2 * self.capacity if self.ceiling is None else min(2 * self.capacity, self.ceiling)
+            self.grow_to(max(total, doubled))
         self.pending = total
 
     def grow_to(self, capacity: int) -> None:

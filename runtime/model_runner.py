@@ -111,11 +111,16 @@ class ModelRunner:
         if self.io.shared_buffer:
             # room for the generation too (no buffer move mid-way), up to the room doubling would give: memory
             # stays within 2x the prompt (or its minimum capacity) whatever max_tokens says
-            extra = min(max(r.params.max_tokens for r in batch.requests), max(width, SharedKVCache.MIN_CAPACITY))
+            longest = max(r.params.max_tokens for r in batch.requests)
+            extra = min(longest, max(width, SharedKVCache.MIN_CAPACITY))
             capacity = min(width + extra, self.spec.max_positions)
-            reused = finished.recycled(len(rows), capacity) if isinstance(finished, SharedKVCache) else None
+            ceiling = min(width + longest, self.spec.max_positions)  # what the scheduler's KV budget counted
+            recyclable = (isinstance(finished, SharedKVCache)  # and within the budget's count
+                          and finished.capacity <= max(ceiling, SharedKVCache.MIN_CAPACITY))
+            reused = finished.recycled(len(rows), capacity) if recyclable else None
             cache = reused or self.new_cache(len(rows))
             cache.grow_to(capacity)
+            cache.ceiling = ceiling
         else:
             cache = self.new_cache(len(rows))
         selected = sorted(set(lasts))

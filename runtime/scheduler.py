@@ -19,7 +19,9 @@ StaticBatchScheduler — contiguous KV cache: when no batch runs, up to `max_bat
 left-padded batch, prefilled as one batch (the runner feeds a one-row prompt in calls of at most
 `max_tokens_per_step` tokens) and decoded in lock-step; finished rows leave it, and requests that
 arrive meanwhile wait until it drains. (Joining a running contiguous batch would mean re-padding every row's
-cache; the paged artifact is the one built for that.)
+cache; the paged artifact is the one built for that.) With a `token_budget` the batch also stops taking requests
+where its cache could outgrow the budget: rows × (its longest prompt + its longest generation) positions, as the
+runner sizes the buffers; a request that alone needs more is refused when it is added.
 """
 
 from __future__ import annotations
@@ -246,8 +248,30 @@ class PagedScheduler(_Queues):
 
 
 class StaticBatchScheduler(_Queues):
+    """`token_budget`: most K/V positions (rows × columns) the batch's cache may hold, None for no bound;
+    `max_positions`: the model's context (no row's columns exceed it); `min_columns`: positions a cache row holds
+    however short its sequence (the preallocated buffers' first size)."""
+
+    def __init__(self, max_batch: int, token_budget: int | None = None, max_positions: int | None = None,
+                 min_columns: int = 1):
+        super().__init__(max_batch)
+        self.token_budget, self.max_positions, self.min_columns = token_budget, max_positions, min_columns
+
+    def _columns(self, width: int, longest: int) -> int:
+        columns = width + longest if self.max_positions is None else min(width + longest, self.max_positions)
+        return max(columns, self.min_columns)
+
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """A contiguous cache grows per batch: any request within the context fits."""
+        """A request whose own cache row could outgrow the KV budget is refused before it waits (any other fits a
+        batch of its own)."""
+        if self.token_budget is None or self._columns(prompt_tokens, max_tokens) <= self.token_budget:
+            return
+        prompt_fits = self._columns(prompt_tokens, 1) <= self.token_budget
+        raise InvalidArgumentError(
+            "max_tokens" if prompt_fits else "prompt",
+            f"a request of {prompt_tokens} prompt + {max_tokens} new tokens needs room for "
+            f"{self._columns(prompt_tokens, max_tokens)} tokens of KV cache, but the engine's KV budget holds "
+            f"{self.token_budget} (kv_cache_memory, --kv-cache-memory): ask for fewer tokens")
 
     def remove(self, request: Request) -> None:
         self._leave_queues(request)
@@ -258,7 +282,17 @@ class StaticBatchScheduler(_Queues):
             return ScheduledBatch(DECODE, list(self.running), tokens, positions)
         if not self.waiting:
             return None
-        batch = [self.waiting.popleft() for _ in range(min(self.max_batch, len(self.waiting)))]
+        batch: list[Request] = []
+        width = longest = 0
+        while self.waiting and len(batch) < self.max_batch:
+            request = self.waiting[0]
+            wider = max(width, len(request.prompt_token_ids))
+            longer = max(longest, request.params.max_tokens)
+            if batch and self.token_budget is not None and \
+                    (len(batch) + 1) * self._columns(wider, longer) > self.token_budget:
+                break
+            batch.append(self.waiting.popleft())
+            width, longest = wider, longer
         for request in batch:
             request.status = RequestStatus.RUNNING
         return ScheduledBatch(PREFILL, batch, [r.prompt_token_ids for r in batch], [0] * len(batch),

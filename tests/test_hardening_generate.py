@@ -308,6 +308,8 @@ def test_manifest_that_is_not_utf8_is_a_user_error(contiguous, tmp_path):
     (["--max-new-tokens", "abc"], "argument --max-new-tokens/--max-tokens: invalid int value: 'abc'"),
     (["--temperature", ""], "argument --temperature: invalid float value: ''"),
     (["--kv-blocks", "4"], "kv_blocks applies to paged artifacts"),
+    (["--kv-blocks", "4", "--kv-cache-memory", "1MB"],
+     "kv_blocks and kv_cache_memory both size the KV cache; give one"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_hostile_command_lines_are_user_errors(contiguous, argv, message):
@@ -491,7 +493,7 @@ CLI_VALID = [(flag, value) for flag, values in {
     "--top-k": ["0", "1", "40"], "--top-p": ["0.1", "0.9", "1"], "--seed": ["0", "7", "18446744073709551615"],
     "--stop": ["", " ", "e", "\n"], "--threads": ["1", "2"], "--max-batch": ["1", "8"],
     "--max-tokens-per-step": ["1", "3", "4096"],
-    "--kv-blocks": ["128", "512"], "--kv-cache-memory": ["1MB", "64MiB"],  # paged only: exit 1 on contiguous
+    "--kv-blocks": ["128", "512"], "--kv-cache-memory": ["1MB", "64MiB"],  # --kv-blocks: exit 1 on contiguous
 }.items() for value in values]
 
 

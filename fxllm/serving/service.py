@@ -74,10 +74,9 @@ class OpenAIService:
         self.core = engine.engine.core
         self.tokenizer = engine.engine.tokenizer
         self.max_context: int = engine.engine.max_context
-        # the most tokens one sequence can hold: what a request without max_tokens may fill (a KV pool smaller
-        # than the context would refuse a default of "the rest of the context")
-        pool = engine.engine.capacity_tokens() if engine.engine.paged else self.max_context
-        self.max_sequence_tokens: int = min(self.max_context, pool)
+        # the most tokens one sequence can hold: what a request without max_tokens may fill (a KV pool or budget
+        # smaller than the context would refuse a default of "the rest of the context")
+        self.max_sequence_tokens: int = min(self.max_context, engine.engine.capacity_tokens())
         self.max_batch: int = engine.engine.max_batch
         self.created = int(time.time())
         labels = {"model_name": self.model_id} if metric_labels is None else metric_labels
