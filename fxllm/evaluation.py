@@ -23,16 +23,21 @@ DEFAULT_CTX = 512  # window length when none is given (shortened to a model's sh
 
 
 class Scorer:
-    """Full-window logits from either a compiled artifact (ONNX Runtime; the runtime alone) or a source model
-    (transformers, fp32; needs the compile extra). Both tokenizers have `encode(text)` with special tokens added;
-    `vocab_size` is how many token ids the model scores (its embedding's rows)."""
+    """Full-window logits from either a compiled artifact (ONNX Runtime; the runtime alone; a `--target torch`
+    artifact through the torch backend on CPU) or a source model (transformers, fp32; needs the compile extra). Both
+    tokenizers have `encode(text)` with special tokens added; `vocab_size` is how many token ids the model scores
+    (its embedding's rows)."""
 
     def __init__(self, model: str | os.PathLike, int8_activations: bool | None = None):
         self.name = str(model)
         if (Path(model) / MANIFEST_FILE).is_file():
             from fxllm.runtime.engine import Engine
+            from fxllm.runtime.manifest import load_manifest
 
-            self.engine = Engine.load(model, int8_activations=int8_activations)
+            # the backend the artifact was compiled for (Engine.load checks the files again)
+            torch_target = load_manifest(model, verify=False).target == "torch"
+            self.engine = Engine.load(model, int8_activations=int8_activations,
+                                      **({"backend": "torch", "device": "cpu"} if torch_target else {}))
             self.tokenizer = self.engine.tokenizer
             self.max_context = self.engine.max_context
             self.vocab_size = self.engine.spec.vocab_size

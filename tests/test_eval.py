@@ -25,6 +25,15 @@ def test_artifact_matches_source_model(make_tiny_model, make_tiny_artifact):
     assert "perplexity" in report.text()
 
 
+def test_a_torch_target_artifact_is_scored_through_its_own_backend(make_torch_artifact, make_tiny_artifact):
+    """`fxllm eval` on a `--target torch` artifact ended in "load it with backend='torch'", which eval has no way to
+    say; it now loads such an artifact on the torch backend (CPU), as itself or as the reference."""
+    torch_artifact, onnx_artifact = str(make_torch_artifact("llama")), str(make_tiny_artifact("llama"))
+    report = evaluate(torch_artifact, TEXT, ctx=128, max_tokens=512, reference=onnx_artifact)
+    assert report.tokens == 512 - 4 and math.isclose(report.perplexity, report.reference_perplexity, rel_tol=1e-4)
+    assert report.mean_kl < 1e-6 and report.top1_agreement == 1.0
+
+
 def test_a_ready_scorer_is_evaluated_with_the_windows_of_a_path(make_tiny_artifact):
     """evaluate() takes a Scorer (benchmarks/quant_quality.py scores onnxruntime-genai's model through a subclass)."""
     artifact = str(make_tiny_artifact("llama"))
