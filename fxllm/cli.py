@@ -19,6 +19,7 @@ import unicodedata
 from fxllm.errors import FxllmError, UsageError
 
 # OSErrors that are the user's environment, not fxllm's bug: report them like any user error (exit 1).
+DEFAULT_TRT_VERSION = "10.15"  # what `inspect --check tensorrt` audits against unless --trt-version says
 USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EMFILE, errno.ENAMETOOLONG}
 
 
@@ -103,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt", "torch"])
     p.add_argument("--device", default="cpu", help="backend torch: cpu (default), cuda or cuda:N")
     p.add_argument("--torch-compile", action="store_true", help="backend torch: run the program through torch.compile")
-    p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
+    p.add_argument("--kv-cache-memory", help="KV cache budget, e.g. 256MB: a paged artifact's pool (default 512MiB); "
+                                             "a contiguous artifact's batch cache at most (default: half the memory "
+                                             "available at load)")
     p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
     p.add_argument("--max-batch", type=int, default=64,
                    help="most requests decoded at once (paged artifacts: continuous batching)")
@@ -117,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print it as one JSON object")
     p.add_argument("--check", choices=["tensorrt"], help="audit the ONNX against TensorRT's parser support table; "
                                                          "exit 1 on any finding")
-    p.add_argument("--trt-version", default="10.15", help="TensorRT version the audit targets (default 10.15)")
+    p.add_argument("--trt-version", help="with --check tensorrt: the TensorRT version the audit targets (default "
+                                         "10.15)")
 
     p = commands.add_parser("eval", help="perplexity of a model or artifact on a text file")
     p.add_argument("model", help="artifact directory, Hugging Face directory, .gguf file, or 'smollm2-135m'")
@@ -144,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait beyond --max-batch before new ones get 429 (default 256)")
     p.add_argument("--max-batch", type=int, default=64, help="most requests decoded at once (default 64)")
-    p.add_argument("--kv-cache-memory", help="paged artifacts: KV pool budget, e.g. 256MB (default 512MiB)")
+    p.add_argument("--kv-cache-memory", help="KV cache budget, e.g. 256MB: a paged artifact's pool (default 512MiB); "
+                                             "a contiguous artifact's batch cache at most (default: half the memory "
+                                             "available at load)")
     p.add_argument("--kv-blocks", type=int, help="paged artifacts: KV pool size in blocks (instead of a budget)")
     _max_tokens_per_step_flag(p)
     p.add_argument("--threads", type=int, help="intra-op threads (default: $OMP_NUM_THREADS if set, else all cores)")
@@ -209,6 +215,17 @@ def cmd_compile(args) -> None:
                            spec_k=4 if args.spec_k is None else args.spec_k,
                            kv_cache_dtype=args.kv_cache_dtype, kv_cache_calib=args.kv_cache_calib)
     wall = time.perf_counter() - start
+    try:
+        _print_compile_report(args, report, wall)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:  # the artifact is whole and in place: say so, not that the compile failed
+        raise UsageError(f"'{report.output}' was compiled and written, but its report could not be printed: "
+                         f"{exc.strerror or exc}") from None
+
+
+def _print_compile_report(args, report, wall: float) -> None:
+    """The compile's table on stdout: one row per pass with its drift, then notes and per-phase times."""
     print(f"compiled {args.model} → {report.output}")
     print(f"  {'pass':<18} {'time s':>7} {'max|Δlogit|':>12} {'mean KL':>9} {'greedy':>7}")
     for r in report.records:
@@ -315,6 +332,8 @@ def _print_speculation(spec) -> None:
 def cmd_inspect(args) -> int:
     from fxllm.runtime.inspect import describe_artifact
 
+    if args.trt_version is not None and not args.check:  # refused, not ignored: the user meant to audit
+        raise UsageError("--trt-version sets the TensorRT version of an audit; it needs --check tensorrt")
     info = describe_artifact(args.artifact)
     if not args.check:
         print(json.dumps(info, indent=2) if args.json else printable(info["text"]))
@@ -322,10 +341,11 @@ def cmd_inspect(args) -> int:
     from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
     from fxllm.compiler.targets.tensorrt_rules import parse_version
 
-    version = parse_version(args.trt_version)
+    trt_version = args.trt_version or DEFAULT_TRT_VERSION
+    version = parse_version(trt_version)
     findings = audit_file(args.artifact, version)
     if args.json:
-        print(json.dumps({"check": "tensorrt", "trt_version": args.trt_version,
+        print(json.dumps({"check": "tensorrt", "trt_version": trt_version,
                           "findings": [f.to_dict() for f in findings]}, indent=2))
     else:
         print(format_findings(findings, version))

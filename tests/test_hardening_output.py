@@ -156,6 +156,19 @@ def test_file_added_during_the_compile_stops_the_swap(artifact_copy):
 
 # -- 6: unwritable output, found before the work ----------------------------------------------------------------
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_report_that_cannot_be_printed_does_not_call_a_written_artifact_failed(make_tiny_model, tmp_path):
+    """stdout on a full disk: the artifact is whole and in place, so the one-line error says that, not the bare
+    'No space left on device' that read as a failed compile."""
+    output = tmp_path / "artifact"
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "fxllm", "compile", str(make_tiny_model("llama")), "-o",
+                               str(output)], stdout=full, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert_one_line_error(done.returncode, done.stderr, f"'{output}' was compiled and written, but its report could "
+                                                        "not be printed: No space left on device")
+    assert (output / MANIFEST).is_file() and main(["inspect", str(output)]) == 0
+
+
 def test_output_below_a_file_fails_before_loading(capsys, tmp_path, broken_model):
     (tmp_path / "file.txt").write_text("x")
     code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(tmp_path / "file.txt" / "out"))

@@ -113,6 +113,10 @@ def test_inspect_check_exit_codes(trt_artifact, tmp_path, capsys):
     assert "no findings" in capsys.readouterr().out
     assert main(["inspect", str(artifact), "--check", "tensorrt", "--trt-version", "10.13"]) == 1
     assert "Attention is parsed from TensorRT 10.14" in capsys.readouterr().out
+    # refused, not ignored: without --check the version had no effect
+    assert main(["inspect", str(artifact), "--trt-version", "10.13"]) == 1
+    assert capsys.readouterr().err.strip() == "fxllm: error: --trt-version sets the TensorRT version of an audit; " \
+                                              "it needs --check tensorrt"
 
 
 def test_plan_from_another_tensorrt_or_gpu_is_refused():
