@@ -28,10 +28,29 @@ STAGING = "staging"
 RETIRED = "retired"
 
 
+NAME_MAX = 255  # bytes in one file name (Linux, macOS)
+OWNER_ROOM = 64  # bytes the role, host tag, pid, start time and tempfile's random suffix add to the output's name
+
+
 def owned_prefix(output: Path, role: str) -> str:
     """The name prefix of a `role` (STAGING or RETIRED) directory this process makes for `output`; tempfile adds
     the random suffix."""
-    return f".{output.name}.{role}-{_host_tag()}-{os.getpid()}-{_start_time(os.getpid()) or 0}."
+    return f".{_output_part(output)}.{role}-{_host_tag()}-{os.getpid()}-{_start_time(os.getpid()) or 0}."
+
+
+def _output_part(output: Path) -> str:
+    """The output's name as its staging and retired directories carry it: whole where that fits a file name, else
+    its head and a hash of the whole (a 220-byte output name, itself legal, made a staging name past NAME_MAX and
+    the compile failed with "File name too long" on the path the user gave)."""
+    name = output.name
+    room = NAME_MAX - OWNER_ROOM
+    if len(os.fsencode(name)) <= room:
+        return name
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    head = name
+    while len(os.fsencode(head)) > room - len(digest) - 1:
+        head = head[:-1]
+    return f"{head}~{digest}"
 
 
 def remove_leftovers(output: str | os.PathLike) -> list[str]:
@@ -41,7 +60,8 @@ def remove_leftovers(output: str | os.PathLike) -> list[str]:
     parent = output.parent
     if not parent.is_dir():
         return []
-    pattern = re.compile(rf"^\.{re.escape(output.name)}\.({STAGING}|{RETIRED})-([0-9a-f]{{8}})-(\d+)-(\d+)\.[^/]+$")
+    pattern = re.compile(rf"^\.{re.escape(_output_part(output))}\.({STAGING}|{RETIRED})-([0-9a-f]{{8}})-(\d+)-(\d+)"
+                         r"\.[^/]+$")
     done = []
     try:
         candidates = sorted(parent.iterdir())

@@ -41,6 +41,21 @@ def test_a_killed_compile_s_staging_directory_is_removed_by_the_next(tmp_path):
     assert remove_leftovers(output) == []  # nothing left to do
 
 
+def test_an_output_name_near_the_file_system_s_limit_gets_a_staging_name_that_fits(tmp_path, make_tiny_model):
+    """A 240-byte output name is legal; its staging directory's name (the output's and ~60 bytes of owner) was not,
+    and the compile failed with "File name too long" on the path the user gave. Killed writers' leftovers of such
+    an output are still recognised and removed."""
+    output = tmp_path / ("z" * 200 + "é" * 20)  # 240 bytes in UTF-8
+    result = run_python(KILLED_WHILE_WRITING, str(output))
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    [left] = hidden_entries(tmp_path)
+    assert len(os.fsencode(left)) <= 255 and left.startswith(".zzz")
+    assert len(remove_leftovers(output)) == 1 and hidden_entries(tmp_path) == []
+    assert main(["compile", str(make_tiny_model("llama")), "-o", str(output)]) == 0
+    assert (output / "manifest.json").is_file() and hidden_entries(tmp_path) == []
+    assert main(["compile", str(make_tiny_model("llama")), "-o", str(output)]) == 0  # replaced: the retired name too
+
+
 def test_a_live_writer_s_staging_directory_is_kept(tmp_path):
     output = tmp_path / "out"
     code = ("import sys, time\nfrom fxllm.runtime.artifact import staging_directory\n"
