@@ -173,7 +173,7 @@ class Engine:
     def _contiguous_kv_tokens(self) -> int | None:
         """K/V positions (rows × columns) a contiguous batch's cache may hold: `kv_cache_memory`, else half the
         memory available at load (None where that cannot be read: no bound). Without a bound a batch of 64 rows
-        grew to 64 full contexts (SmolLM2: 24 GB of float32 cache) and the kernel killed the process."""
+        could grow to 64 full contexts (SmolLM2: 24 GB of float32 cache), past what the machine has."""
         from fxllm.runtime.paged_cache import parse_bytes
 
         per_token = self.spec.kv_bytes_per_token()

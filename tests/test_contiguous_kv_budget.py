@@ -1,6 +1,6 @@
 """A contiguous artifact's KV budget (kv_cache_memory): a static batch takes only the rows whose cache fits it, the
 shared buffers stop doubling at what the batch can need, and a request that alone needs more is refused in one line.
-Without it a batch of 64 long rows grew to 64 full contexts of cache (SmolLM2: 24 GB) and the process was killed."""
+Without it a batch of 64 long rows could grow to 64 full contexts of cache (SmolLM2: 24 GB)."""
 
 from __future__ import annotations
 
