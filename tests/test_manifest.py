@@ -329,8 +329,10 @@ def test_mutated_manifests_load_correctly_or_fail_cleanly(original, tmp_path_fac
     (copy / MANIFEST_FILE).write_text(json.dumps(mutated))
 
     code = [Path(module.__file__).resolve().parent for module in (fxllm, fxllm.runtime, fxllm.compiler, fxllm.passes)]
-    # the process's own memory map and the kernel's THP mode: read for huge pages (runtime/huge_pages.py)
-    memory = [Path("/proc", str(os.getpid())), Path(huge_pages.THP_MODE).parent]
+    # the process's own memory map and the kernel's THP mode: read for huge pages (runtime/huge_pages.py); the
+    # memory available (and the cgroup's limit): read for the KV budget's default (available_memory)
+    memory = [Path("/proc", str(os.getpid())), Path(huge_pages.THP_MODE).parent, Path("/proc/meminfo"),
+              Path("/sys/fs/cgroup")]
     allowed = [copy.resolve(), Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), *code, *memory]
     outside: list[str] = []
 
