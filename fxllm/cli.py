@@ -18,8 +18,8 @@ import unicodedata
 
 from fxllm.errors import FxllmError, UsageError
 
-# OSErrors that are the user's environment, not fxllm's bug: report them like any user error (exit 1).
 DEFAULT_TRT_VERSION = "10.15"  # what `inspect --check tensorrt` audits against unless --trt-version says
+# OSErrors that are the user's environment, not fxllm's bug: report them like any user error (exit 1).
 USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EMFILE, errno.ENAMETOOLONG}
 
 
@@ -217,11 +217,24 @@ def cmd_compile(args) -> None:
     wall = time.perf_counter() - start
     try:
         _print_compile_report(args, report, wall)
+        sys.stdout.flush()  # a block-buffered stdout fails here, not at exit after the command has returned
     except BrokenPipeError:
         raise
     except OSError as exc:  # the artifact is whole and in place: say so, not that the compile failed
+        _discard_stdout()
         raise UsageError(f"'{report.output}' was compiled and written, but its report could not be printed: "
                          f"{exc.strerror or exc}") from None
+
+
+def _discard_stdout() -> None:
+    """Point stdout's file descriptor at the null device: what its buffer still holds would fail again when the
+    interpreter flushes it at exit (a second error, and exit status 120)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (a captured stream): nothing to flush later
+        pass
 
 
 def _print_compile_report(args, report, wall: float) -> None:
@@ -341,7 +354,7 @@ def cmd_inspect(args) -> int:
     from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
     from fxllm.compiler.targets.tensorrt_rules import parse_version
 
-    trt_version = args.trt_version or DEFAULT_TRT_VERSION
+    trt_version = DEFAULT_TRT_VERSION if args.trt_version is None else args.trt_version
     version = parse_version(trt_version)
     findings = audit_file(args.artifact, version)
     if args.json:

@@ -111,7 +111,7 @@ def plain_json(value: Any, depth: int = 0) -> Any:
     never wrote, and a deeper value would end the rebuild (or the template's walk) in Python's recursion limit."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if depth >= MAX_NESTING and isinstance(value, (Mapping, list, tuple)):
+    if depth >= MAX_NESTING and not isinstance(value, (str, int, float, np.generic)):  # a container of any kind
         raise GenerationError(f"a chat message or template variable nests lists or objects more than {MAX_NESTING} "
                               "levels deep")
     depth += 1

@@ -79,8 +79,10 @@ class Engine:
             scheduler = PagedScheduler(manager, max_batch, admission_tokens, prefill_call_tokens=max_tokens_per_step,
                                        speculative=bool(self.speculator), attention_span=self.spec.attention_span)
         else:  # speculative decoding on a contiguous cache verifies one request at a time
-            scheduler = StaticBatchScheduler(1 if self.speculator else max_batch, self.kv_tokens, self.max_context,
-                                             SharedKVCache.MIN_CAPACITY if self.io.shared_buffer else 1)
+            # a left-padded batch keeps its padding columns: its rows may pass the context together
+            scheduler = StaticBatchScheduler(1 if self.speculator else max_batch, self.kv_tokens,
+                                             self.max_context if self.io.right_padded else None,
+                                             self._smallest_cache_row())
         self.core = EngineCore(self.runner, scheduler, tokenizer, eos_token_ids, self.max_context,
                                self.spec.vocab_size, encode=self.encode, speculator=self.speculator)
         self.driver = CoreDriver(self.core)
@@ -96,14 +98,17 @@ class Engine:
         (a --target torch artifact on `device`, "cpu" or "cuda", optionally through torch.compile).
         `max_batch` requests run at once; a paged request or a one-row contiguous batch is prefilled in calls of at most
         `max_tokens_per_step` tokens (default DEFAULT_TOKENS_PER_STEP, 256; a batch of several contiguous rows is
-        prefilled in one call, GroupQueryAttention's rule). Paged artifacts: the KV pool holds `kv_blocks` blocks, or as
-        many as fit in `kv_cache_memory` bytes (e.g. "256MB"; default 512 MiB or 64 full-context sequences, whichever is
-        less, at least one); a given `max_tokens_per_step` is also each iteration's prompt-token admission budget
-        (default DEFAULT_PAGED_ADMISSION_TOKENS, 512); `prefix_caching` shares full KV blocks between requests with a
-        common prompt prefix. int8_activations: let ONNX Runtime's quantized matmuls quantize activations to int8
-        (faster, slightly less exact); default: what the artifact recommends (float activations unless it was compiled
-        with --int8-activations); True where neither the artifact nor its draft has quantized weights is an
-        InvalidArgumentError. Artifacts compiled with a draft decode speculatively unless speculative=False;
+        prefilled in one call, GroupQueryAttention's rule). Contiguous artifacts: a batch takes as many waiting
+        requests as `kv_cache_memory` bytes hold (rows × their longest prompt + generation; default half the memory
+        available at load, at least one full context), and one that alone needs more is refused. Paged artifacts: the
+        KV pool holds `kv_blocks` blocks, or as many as fit in `kv_cache_memory` bytes (e.g. "256MB"; default 512 MiB
+        or 64 full-context sequences, whichever is less, at least one); not both. A given `max_tokens_per_step` is
+        also each iteration's prompt-token admission budget (default DEFAULT_PAGED_ADMISSION_TOKENS, 512);
+        `prefix_caching` shares full KV blocks between requests with a common prompt prefix. int8_activations: let
+        ONNX Runtime's quantized matmuls quantize activations to int8 (faster, slightly less exact); default: what the
+        artifact recommends (float activations unless it was compiled with --int8-activations); True where neither
+        the artifact nor its draft has quantized weights is an InvalidArgumentError. Artifacts compiled with a draft
+        decode speculatively unless speculative=False;
         speculative="ngram" decodes any artifact with prompt lookup (no draft model, nothing to compile; k 4 unless the
         artifact names one); spec_k overrides k. unrolled_draft: a model draft proposes its k tokens in one call of its
         unrolled graph (True), or one call per token (False); None: unrolled on a CUDA provider only (on CPU it measured
@@ -117,8 +122,6 @@ class Engine:
         check_load_flags(backend, verify, prefix_caching, spin, torch_compile, int8_activations, unrolled_draft,
                          providers, device, huge_pages)
         manifest = load_manifest(path, verify=verify)
-        if kv_blocks is not None and kv_cache_memory is not None:  # one would be ignored without a word
-            raise InvalidArgumentError("kv_blocks", "kv_blocks and kv_cache_memory both size the KV cache; give one")
         if kv_blocks is not None and not manifest.io.paged:  # refused, not ignored: the user meant to size a pool
             raise InvalidArgumentError("kv_blocks", f"kv_blocks applies to paged artifacts; '{path}' has a contiguous "
                                                     "KV cache (compile with the `paged` pass to use a KV pool, or "
@@ -170,17 +173,23 @@ class Engine:
             blocks = default_num_blocks(block_bytes, self.block_size, self.max_context)
         return check_kv_pool(int(blocks), block_bytes, self.kv_blocks, self.kv_cache_memory)  # before allocating
 
+    def _smallest_cache_row(self) -> int:
+        """Positions one row of a contiguous cache holds however short its sequence (shared buffers start at
+        SharedKVCache.MIN_CAPACITY rows)."""
+        return SharedKVCache.MIN_CAPACITY if self.io.shared_buffer else 1
+
     def _contiguous_kv_tokens(self) -> int | None:
-        """K/V positions (rows × columns) a contiguous batch's cache may hold: `kv_cache_memory`, else half the
-        memory available at load (None where that cannot be read: no bound). Without a bound a batch of 64 rows
-        could grow to 64 full contexts (SmolLM2: 24 GB of float32 cache), past what the machine has."""
+        """K/V positions (rows × columns) a contiguous batch's cache may hold: `kv_cache_memory` (a ceiling, not
+        allocated up front), else half the memory available at load but at least one full context (None where that
+        cannot be read: no bound). Without a bound a batch of 64 rows could grow to 64 full contexts (SmolLM2: 24 GB
+        of float32 cache), past what the machine has."""
         from fxllm.runtime.paged_cache import parse_bytes
 
         per_token = self.spec.kv_bytes_per_token()
-        smallest = SharedKVCache.MIN_CAPACITY if self.io.shared_buffer else 1
-        if self.kv_cache_memory is None:
+        smallest = self._smallest_cache_row()
+        if self.kv_cache_memory is None:  # bounds the batch, never refuses one request the context takes
             available = available_memory()
-            return None if available is None else max(available // 2 // per_token, smallest)
+            return None if available is None else max(available // 2 // per_token, self.max_context, smallest)
         tokens = parse_bytes(self.kv_cache_memory) // per_token
         if tokens < smallest:
             raise InvalidArgumentError("kv_cache_memory", f"a KV budget of {self.kv_cache_memory} holds {tokens} "

@@ -81,8 +81,9 @@ class SharedKVCache:
     def reserve(self, total: int) -> None:
         """Make room for `total` rows (the step's past + new tokens), keeping the valid ones."""
         if total > self.capacity:
-            doubled = 2 * self.capacity if self.ceiling is None else min(2 * self.capacity, self.ceiling)
-            self.grow_to(max(total, doubled))
+            # past its ceiling (a caller's count was short) doubling resumes: never one move a step
+            capped = self.ceiling is not None and total <= self.ceiling
+            self.grow_to(max(total, min(2 * self.capacity, self.ceiling) if capped else 2 * self.capacity))
         self.pending = total
 
     def grow_to(self, capacity: int) -> None:

@@ -114,10 +114,14 @@ class ModelRunner:
             longest = max(r.params.max_tokens for r in batch.requests)
             extra = min(longest, max(width, SharedKVCache.MIN_CAPACITY))
             capacity = min(width + extra, self.spec.max_positions)
-            ceiling = min(width + longest, self.spec.max_positions)  # what the scheduler's KV budget counted
+            # what the scheduler's KV budget counted; a left-padded batch keeps its padding columns, so its rows
+            # may pass the context together
+            ceiling = min(width + longest, self.spec.max_positions) if right else width + longest
             recyclable = (isinstance(finished, SharedKVCache)  # and within the budget's count
                           and finished.capacity <= max(ceiling, SharedKVCache.MIN_CAPACITY))
             reused = finished.recycled(len(rows), capacity) if recyclable else None
+            finished = None  # buffers not recycled are freed before new ones are made (what the backend still binds
+            # goes when the new ones are bound)
             cache = reused or self.new_cache(len(rows))
             cache.grow_to(capacity)
             cache.ceiling = ceiling

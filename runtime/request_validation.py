@@ -153,8 +153,8 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_context: in
 def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_memory: Any = None,
                          max_batch: Any = 64, max_tokens_per_step: Any = None, spec_k: Any = None) -> None:
     """Engine.load's numeric options: threads None or 1..MAX_THREADS; kv_blocks None or >= 1; kv_cache_memory
-    None, an int of bytes or a size string parse_bytes reads ("256MB"); max_batch >= 1; max_tokens_per_step None
-    or >= 1; spec_k None or an int (its range is the artifact's business)."""
+    None, or a positive int of bytes or size string parse_bytes reads ("256MB"), not both; max_batch >= 1;
+    max_tokens_per_step None or >= 1; spec_k None or an int (its range is the artifact's business)."""
     if threads is not None:
         integer("threads", threads, minimum=1, maximum=MAX_THREADS)
     if kv_blocks is not None:
@@ -164,7 +164,11 @@ def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_me
         raise InvalidArgumentError("kv_cache_memory", "kv_cache_memory must be a number of bytes or a size such as "
                                                       f"'256MB', got {describe(kv_cache_memory)}")
     if isinstance(kv_cache_memory, str):
-        parse_bytes(kv_cache_memory)  # a size string it cannot read is refused here, before anything loads
+        kv_cache_memory = parse_bytes(kv_cache_memory)  # a size string it cannot read is refused here, before loading
+    if kv_cache_memory is not None and kv_cache_memory < 1:
+        raise InvalidArgumentError("kv_cache_memory", f"kv_cache_memory must be a positive size, got {kv_cache_memory}")
+    if kv_blocks is not None and kv_cache_memory is not None:  # one would be ignored without a word
+        raise InvalidArgumentError("kv_blocks", "kv_blocks and kv_cache_memory both size the KV cache; give one")
     integer("max_batch", max_batch, minimum=1)
     if max_tokens_per_step is not None:
         integer("max_tokens_per_step", max_tokens_per_step, minimum=1)

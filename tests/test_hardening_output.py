@@ -161,9 +161,12 @@ def test_a_report_that_cannot_be_printed_does_not_call_a_written_artifact_failed
     """stdout on a full disk: the artifact is whole and in place, so the one-line error says that, not the bare
     'No space left on device' that read as a failed compile."""
     output = tmp_path / "artifact"
+    # block-buffered, as a shell gives it: the report then fails at the flush, and used to again at exit
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, "-m", "fxllm", "compile", str(make_tiny_model("llama")), "-o",
-                               str(output)], stdout=full, stderr=subprocess.PIPE, text=True, timeout=600)
+                               str(output)], stdout=full, stderr=subprocess.PIPE, text=True, timeout=600,
+                              env=environment)
     assert_one_line_error(done.returncode, done.stderr, f"'{output}' was compiled and written, but its report could "
                                                         "not be printed: No space left on device")
     assert (output / MANIFEST).is_file() and main(["inspect", str(output)]) == 0
