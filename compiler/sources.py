@@ -51,6 +51,12 @@ GGUF_NUMBER_KEYS: dict[str, tuple[str, Callable[[float], bool]]] = {
 # No GGUF tensor type stores a weight in less than one bit (IQ1_S: 1.56): a header whose sizes ask for more weights
 # than 8 per byte of the file is corrupt, and building it would allocate them (a vocab_size of 1e9: 256 GB asked).
 GGUF_MAX_WEIGHTS_PER_BYTE = 8
+# A Hugging Face checkpoint stores a weight in half a byte or more (int4 packed by GPTQ/AWQ, bitsandbytes' 4-bit);
+# with the same 4x margin, a config.json whose sizes ask for more than 8 weights per byte of the weight files does
+# not describe them, and transformers would build (and randomly initialize) the model it describes before saying
+# its weights are missing: 20,000 layers of a 1.3 MB checkpoint took 41 s and 4.2 GB to refuse, 10**6 layers 155 s.
+HF_MAX_WEIGHTS_PER_BYTE = 8
+HF_WEIGHT_FILES = ("*.safetensors", "*.bin")
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
                                f"'{DEFAULT_MODEL}')")
     path = Path(model).expanduser()
     if str(model) == DEFAULT_MODEL and not (path.is_dir() and ((path / "config.json").is_file()
-                                                             or any(path.glob("*.gguf")))):
+                                                             or _gguf_files(path))):
         built_in = default_model_path()
         return ModelSource(DEFAULT_MODEL, built_in.parent, built_in.name)
     if not path.exists():
@@ -103,9 +109,12 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
         if path.suffix.lower() != ".gguf":
             raise ModelSourceError(f"'{model}' is a file but not a .gguf model")
         return ModelSource(path.stem, path.parent, path.name)
+    if not path.is_dir():  # a FIFO, socket or device: opening one may wait forever for a writer
+        raise ModelSourceError(f"'{model}' is not a regular file or a directory (give a Hugging Face model "
+                               "directory or a .gguf file)")
     if (path / "config.json").is_file():
         return ModelSource(path.name, path)
-    ggufs = sorted(path.glob("*.gguf"))
+    ggufs = _gguf_files(path)
     if len(ggufs) == 1:
         return ModelSource(ggufs[0].stem, path, ggufs[0].name)
     if len(ggufs) > 1:
@@ -113,10 +122,19 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
     raise ModelSourceError(f"'{model}' holds no model: expected config.json (Hugging Face format) or a .gguf file")
 
 
+def _gguf_files(directory: Path) -> list[Path]:
+    """The regular .gguf files in `directory`, sorted (a FIFO of that name would block its reader forever)."""
+    return sorted(entry for entry in directory.glob("*.gguf") if entry.is_file())
+
+
 def _load_failure(exc: Exception) -> str:
     """Why transformers could not build the model, in one line: a config value it has no entry for surfaces as a
     bare KeyError ('bogus' for hidden_act "bogus", or a rope_type), a wrongly typed one as a TypeError inside torch."""
     text = " ".join(str(exc).split())
+    if isinstance(exc, MemoryError):
+        return "out of memory while building the model (do config.json's sizes match its weights?)"
+    if not text:
+        return type(exc).__name__
     if isinstance(exc, KeyError):
         return f"the config names {text}, which this transformers does not know (a hidden_act, rope_type or the like)"
     if isinstance(exc, TypeError):
@@ -230,6 +248,29 @@ def _check_config_sizes(config: dict[str, Any], path: Path) -> None:
         for field in CONTEXT_FIELDS:
             if section.get(field) is not None:
                 check_context(section[field], f"{path} ({field})")
+
+
+def _check_config_weight_count(config: dict[str, Any], directory: Path) -> None:
+    """Refuse a config.json (sizes already checked positive) that describes more weights than the directory's weight
+    files can hold: at least the embedding (vocab_size x hidden) and, per layer, one hidden x hidden matrix and one
+    hidden x intermediate one. Sizes it cannot read (per-layer lists, other names) or no weight files: no check."""
+    section = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+    def size(*names: str) -> int | None:
+        value = next((section[name] for name in names if section.get(name) is not None), None)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    hidden, layers, vocab = size("hidden_size", "n_embd", "d_model"), size("num_hidden_layers", "n_layer"), \
+        size("vocab_size")
+    if hidden is None or layers is None or vocab is None:
+        return
+    weights = (vocab + layers * (hidden + (size("intermediate_size", "n_inner", "ffn_dim") or 0))) * hidden
+    files = {entry for pattern in HF_WEIGHT_FILES for entry in directory.glob(pattern) if entry.is_file()}
+    file_bytes = sum(entry.stat().st_size for entry in files)
+    if file_bytes and weights > HF_MAX_WEIGHTS_PER_BYTE * file_bytes:
+        raise ModelSourceError(f"{directory / 'config.json'}: its sizes describe at least {weights:,} weights, more "
+                               f"than the {file_bytes:,} bytes of its weight files can hold (no checkpoint format "
+                               "stores a weight in under half a byte); config.json does not match the weights")
 
 
 def _check_gguf_context(source: ModelSource, architecture: str) -> None:
@@ -372,6 +413,7 @@ def check_supported(source: ModelSource) -> None:
         _check_gguf_block_count(source, architecture.removeprefix("gguf:"))
         return
     _check_config_sizes(_read_config(source), source.directory / "config.json")
+    _check_config_weight_count(_read_config(source), source.directory)
     from transformers import AutoConfig
 
     try:

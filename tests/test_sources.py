@@ -312,3 +312,42 @@ def test_a_config_value_transformers_cannot_build_is_named(make_tiny_model, tmp_
     (directory / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ModelSourceError, match=f"cannot load model weights from '.*model': {says}"):
         load_model(resolve_source(directory))
+
+
+@pytest.mark.parametrize("change", [{"num_hidden_layers": 20_000}, {"num_hidden_layers": 10**6},
+                                    {"intermediate_size": 10**8}, {"vocab_size": 10**12}])
+def test_a_config_describing_far_more_weights_than_its_files_is_refused_at_once(tiny_hf, tmp_path, change):
+    """transformers built (and randomly initialized) whatever config.json described before finding its weights
+    missing: 20,000 layers of the tiny checkpoint took 41 s and 4.2 GB, 10**6 layers 155 s and all memory."""
+    import time
+
+    from fxllm.compiler.sources import check_supported
+
+    directory = edited_copy(tiny_hf, tmp_path / "hf", config=_config(**change))
+    start = time.perf_counter()
+    with pytest.raises(ModelSourceError, match=r"config\.json: its sizes describe at least [\d,]+ weights, more than "
+                                               r"the [\d,]+ bytes of its weight files can hold .* config\.json does "
+                                               r"not match the weights$"):
+        check_supported(resolve_source(directory))
+    assert time.perf_counter() - start < 5
+
+
+def test_a_fifo_is_never_opened_as_a_model(tmp_path):
+    """A directory holding a FIFO named *.gguf hung `fxllm compile` forever in open(), waiting for a writer."""
+    import os
+
+    directory = tmp_path / "model"
+    directory.mkdir()
+    os.mkfifo(directory / "a.gguf")
+    with pytest.raises(ModelSourceError, match=r"model' holds no model: expected config\.json"):
+        resolve_source(directory)
+    with pytest.raises(ModelSourceError, match=r"a\.gguf' is not a regular file or a directory"):
+        resolve_source(directory / "a.gguf")
+
+
+def test_a_load_failure_without_a_message_still_says_what_happened():
+    from fxllm.compiler.sources import _load_failure
+
+    assert _load_failure(MemoryError()) == ("out of memory while building the model (do config.json's sizes match "
+                                            "its weights?)")
+    assert _load_failure(RecursionError()) == "RecursionError"
