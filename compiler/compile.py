@@ -18,7 +18,7 @@ from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tok
                                   parse_draft, truncate_layers)
 from fxllm.compiler.pipeline import build_pipeline, check_dtype, parse_pipeline, place_dtype, place_quantization
 from fxllm.progress import status
-from fxllm.compiler.sources import check_supported, load_model, load_tokenizer, resolve_source
+from fxllm.compiler.sources import check_supported, custom_code_ignored, load_model, load_tokenizer, resolve_source
 from fxllm.errors import ArtifactError, ModelSourceError, PipelineError, UnsupportedModelError
 from fxllm.runtime.checks import describe
 from fxllm.runtime.checks import path as path_argument
@@ -130,10 +130,11 @@ def compile_model(
     with staging_directory(output) as stage:  # also turns SIGINT/SIGTERM/SIGHUP into a clean Interrupted
         torch_model = timed("load", f"loading {source.name}", load_model, source)
         tokenizer = load_tokenizer(source)
-        mismatch = _tokenizer_beyond_vocabulary(tokenizer, torch_model)
-        if mismatch:
-            print(f"fxllm: warning: {mismatch}", file=sys.stderr)
-            report.notes.append(mismatch)
+        for warning in (_tokenizer_beyond_vocabulary(tokenizer, torch_model),
+                        custom_code_ignored(source, type(torch_model).__name__)):
+            if warning:
+                print(f"fxllm: warning: {warning}", file=sys.stderr)
+                report.notes.append(warning)
         if draft_spec is not None:
             check_layers(draft_spec, torch_model.config.num_hidden_layers)
             if draft_source is not None:

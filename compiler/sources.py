@@ -69,9 +69,10 @@ class ModelSource:
 
     def from_pretrained_kwargs(self) -> dict[str, Any]:
         """transformers' from_pretrained arguments for this source. trust_remote_code=False: a directory whose
-        config or tokenizer_config names its own Python classes (`auto_map`) is refused at once. Left unset,
-        transformers asks "Do you wish to run the custom code? [y/N]" on a terminal (waiting 15 s) and runs the
-        directory's code on "y": compiling a model must never execute code that came with it."""
+        config or tokenizer_config names its own Python classes (`auto_map`) is refused at once, unless transformers
+        has its own class for the model type, which it then builds (the compile says so: custom_code_ignored). Left
+        unset, transformers asks "Do you wish to run the custom code? [y/N]" on a terminal (waiting 15 s) and runs
+        the directory's code on "y": compiling a model must never execute code that came with it."""
         return {"trust_remote_code": False, **({"gguf_file": self.gguf_file} if self.gguf_file else {})}
 
 
@@ -120,6 +121,21 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
     if len(ggufs) > 1:
         raise ModelSourceError(f"'{model}' holds several .gguf files; name one: {', '.join(g.name for g in ggufs)}")
     raise ModelSourceError(f"'{model}' holds no model: expected config.json (Hugging Face format) or a .gguf file")
+
+
+def custom_code_ignored(source: ModelSource, built: str) -> str | None:
+    """What to tell the user when config.json names the model's own code (`auto_map`) and transformers built its
+    own class `built` for the model type instead (that code never runs); None otherwise. Many Hub models keep an
+    auto_map from before transformers supported them, but code that changes the model makes an artifact of
+    another model, which no drift check against transformers' class can see."""
+    if source.gguf_file:
+        return None
+    auto_map = _read_config(source).get("auto_map")
+    if not isinstance(auto_map, dict) or not auto_map:
+        return None
+    return (f"config.json names the model's own code ({', '.join(sorted(map(str, auto_map)))} in auto_map); fxllm "
+            f"never runs it and built transformers' {built} instead: if that code changes the model, this artifact "
+            "is not the model it describes")
 
 
 def _gguf_files(directory: Path) -> list[Path]:

@@ -52,3 +52,19 @@ def test_a_model_with_its_own_code_is_refused_without_asking(make_tiny_model, tm
     assert questions == []
     assert not (model / "CODE_RAN").exists()
     assert not (tmp_path / "out").exists()
+
+
+def test_an_auto_map_beside_a_known_model_type_is_built_as_transformers_class_and_said(make_tiny_model, tmp_path,
+                                                                                       capsys):
+    """Many Hub models keep an auto_map from before transformers supported them (model_type llama here):
+    transformers builds its own class and the directory's code never runs. That was silent, though code that
+    changes the model would make the artifact another model; the compile now says so, on stderr and in its notes."""
+    model = _with_custom_code(make_tiny_model("llama"), tmp_path / "model", "config.json",
+                              {"auto_map": {"AutoModelForCausalLM": "custom_code.CustomModel"}})
+    capsys.readouterr()
+    report = fxllm.compile(model, tmp_path / "out")
+    said = ("config.json names the model's own code (AutoModelForCausalLM in auto_map); fxllm never runs it and "
+            "built transformers' LlamaForCausalLM instead: if that code changes the model, this artifact is not the "
+            "model it describes")
+    assert f"fxllm: warning: {said}" in capsys.readouterr().err.splitlines()
+    assert said in report.notes and not (model / "CODE_RAN").exists()
