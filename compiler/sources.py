@@ -250,6 +250,34 @@ def check_context(length: int, where: str) -> None:
                                "(2^24, above any released model's), so the value is likely corrupt")
 
 
+# config.json's real numbers transformers reads unchecked, what each must be and its test (on a finite number), as
+# GGUF_NUMBER_KEYS for a GGUF header: a negative rope_theta compiled and its non-finite logits were blamed on the
+# weights. Looked for in the config, its text_config and their rope_parameters / rope_scaling.
+CONFIG_NUMBER_FIELDS: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "rope_theta": ("a positive finite number", lambda value: value > 0),
+    "rms_norm_eps": ("a finite number >= 0", lambda value: value >= 0),
+    "layer_norm_eps": ("a finite number >= 0", lambda value: value >= 0),
+    "layer_norm_epsilon": ("a finite number >= 0", lambda value: value >= 0),
+}
+
+
+def _check_config_numbers(config: dict[str, Any], path: Path) -> None:
+    """Every CONFIG_NUMBER_FIELDS value present a number that passes its test."""
+    sections = [config, config.get("text_config")]
+    sections += [section.get(key) for section in list(sections) if isinstance(section, dict)
+                 for key in ("rope_parameters", "rope_scaling")]
+    for section in sections:
+        if not isinstance(section, dict):
+            continue
+        for field, (what, test) in CONFIG_NUMBER_FIELDS.items():
+            value = section.get(field)
+            if value is None:
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and test(value)):
+                raise ModelSourceError(f"{path}: {field} must be {what}, got {short(value)}")
+
+
 def _check_config_sizes(config: dict[str, Any], path: Path) -> None:
     """Every SIZE_FIELDS value of config.json (and of its text_config) a positive integer, the context bounded."""
     for section in (config, config.get("text_config")):
@@ -415,11 +443,12 @@ def _check_gguf_tensor_layout(source: ModelSource) -> None:
 def check_supported(source: ModelSource) -> None:
     """Refuse, before any weight is loaded, a source fxllm cannot compile, naming the feature (an encoder-decoder,
     no causal-LM class, state-space or chunked-attention layers, ALiBi: model_features.check_capabilities), and a
-    config whose sizes are not positive integers or whose context exceeds MAX_CONTEXT. A GGUF file's header must be
-    readable here (every tensor with at least one dimension), its size keys positive integers describing no more
-    weights than the file can hold, its rotary base and norm epsilons finite numbers in range (GGUF_NUMBER_KEYS), and
-    its tensors aligned and disjoint; its config is only known once transformers parses the whole file, so
-    load_model checks the rest."""
+    config whose sizes are not positive integers, whose context exceeds MAX_CONTEXT, whose rotary base or norm
+    epsilons are out of range (CONFIG_NUMBER_FIELDS) or whose sizes describe far more weights than its files hold.
+    A GGUF file's header must be readable here (every tensor with at least one dimension), its size keys positive
+    integers describing no more weights than the file can hold, its rotary base and norm epsilons finite numbers in
+    range (GGUF_NUMBER_KEYS), and its tensors aligned and disjoint; its config is only known once transformers parses
+    the whole file, so load_model checks the rest."""
     architecture = source_architecture(source)
     if source.gguf_file:
         _check_gguf_sizes(source, architecture.removeprefix("gguf:"))
@@ -428,7 +457,9 @@ def check_supported(source: ModelSource) -> None:
         _check_gguf_tensor_layout(source)
         _check_gguf_block_count(source, architecture.removeprefix("gguf:"))
         return
-    _check_config_sizes(_read_config(source), source.directory / "config.json")
+    config_path = source.directory / "config.json"
+    _check_config_sizes(_read_config(source), config_path)
+    _check_config_numbers(_read_config(source), config_path)
     _check_config_weight_count(_read_config(source), source.directory)
     from transformers import AutoConfig
 

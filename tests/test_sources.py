@@ -351,3 +351,19 @@ def test_a_load_failure_without_a_message_still_says_what_happened():
     assert _load_failure(MemoryError()) == ("out of memory while building the model (do config.json's sizes match "
                                             "its weights?)")
     assert _load_failure(RecursionError()) == "RecursionError"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rms_norm_eps": -1}, r"rms_norm_eps must be a finite number >= 0, got -1"),
+    ({"rope_theta": -10000.0}, r"rope_theta must be a positive finite number, got -10000\.0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, r"rope_theta must be a positive finite "
+                                                                          r"number, got '1e4'"),
+])
+def test_config_numbers_out_of_range_are_named_before_loading(tiny_hf, tmp_path, change, message):
+    """A negative rope_theta or epsilon compiled, and the non-finite logits it caused were blamed on the weights
+    ("its weights hold NaN or inf"); a GGUF header's were already refused by name."""
+    from fxllm.compiler.sources import check_supported
+
+    directory = edited_copy(tiny_hf, tmp_path / "hf", config=_config(**change))
+    with pytest.raises(ModelSourceError, match=rf"config\.json: {message}$"):
+        check_supported(resolve_source(directory))
