@@ -444,8 +444,8 @@ def check_supported(source: ModelSource) -> None:
     """Refuse, before any weight is loaded, a source fxllm cannot compile, naming the feature (an encoder-decoder,
     no causal-LM class, state-space or chunked-attention layers, ALiBi: model_features.check_capabilities), and a
     config whose sizes are not positive integers, whose context exceeds MAX_CONTEXT, whose rotary base or norm
-    epsilons are out of range (CONFIG_NUMBER_FIELDS) or whose sizes describe far more weights than its files hold.
-    A GGUF file's header must be readable here (every tensor with at least one dimension), its size keys positive
+    epsilons are out of range (CONFIG_NUMBER_FIELDS) (load_model also refuses sizes describing far more weights than
+    the files hold). A GGUF file's header must be readable here (every tensor with at least one dimension), its size keys positive
     integers describing no more weights than the file can hold, its rotary base and norm epsilons finite numbers in
     range (GGUF_NUMBER_KEYS), and its tensors aligned and disjoint; its config is only known once transformers parses
     the whole file, so load_model checks the rest."""
@@ -460,7 +460,6 @@ def check_supported(source: ModelSource) -> None:
     config_path = source.directory / "config.json"
     _check_config_sizes(_read_config(source), config_path)
     _check_config_numbers(_read_config(source), config_path)
-    _check_config_weight_count(_read_config(source), source.directory)
     from transformers import AutoConfig
 
     try:
@@ -617,6 +616,8 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
     implementation defaults to `sdpa` where the model has it, else `eager`; capture replaces it. A source that
     cannot be loaded as a whole, exactly as stored: a one-line ModelSourceError (transformers' error its cause)."""
     check_supported(source)
+    if not source.gguf_file:  # here, not in check_supported: a compile checks its output path before the weights
+        _check_config_weight_count(_read_config(source), source.directory)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
