@@ -7,9 +7,10 @@ all in one call, EOS ignored) against transformers' `generate(do_sample=False)`,
     .venv/bin/python scripts/architecture_sweep.py --all                     # every causal-LM model type
     .venv/bin/python scripts/architecture_sweep.py --table                   # the results so far
 
-Each architecture runs in its own process under --timeout seconds. Outcomes: OK, WRONG TOKENS (a bug), refused
-(fxllm's one-line error: the feature it names), crashed (a traceback: a bug), and transformers failing on the tiny
-config itself (not fxllm's). Models, artifacts and results/<arch>.json go under --work-dir
+Each architecture runs in its own process under --timeout seconds and --memory-gb of address space (a few
+multimodal types' tiny configs took all 24 GB of the development VM, and the kernel's OOM killer with it). Outcomes:
+OK, WRONG TOKENS (a bug), refused (fxllm's one-line error: the feature it names), crashed (a traceback: a bug), over
+the memory limit, and transformers failing on the tiny config itself (not fxllm's). Models, artifacts and results/<arch>.json go under --work-dir
 (default ~/.cache/fxllm/architecture-sweep). Nothing here is a test: the matrix in tests/test_architectures.py is.
 """
 
@@ -18,10 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +155,12 @@ def causal_lm_architectures() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _limit_memory(limit: int) -> None:
+    """In the child, before it runs: its address space at most `limit` bytes (an allocation past it raises
+    MemoryError there instead of waking the kernel's OOM killer)."""
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("archs", nargs="*", help="transformers model types, optionally ARCH@VARIANT")
@@ -159,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", action="store_true", help="print the results under --work-dir and stop")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/fxllm/architecture-sweep")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per architecture (default 300)")
+    parser.add_argument("--memory-gb", type=float, default=8.0,
+                        help="address space per architecture's process, GB (default 8)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process of one architecture
     args = parser.parse_args(argv)
     results = args.work_dir / "results"
@@ -169,12 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.table:
         for arch in (causal_lm_architectures() if args.all else []) + args.archs:
             started = time.perf_counter()
+            child = None
             try:
-                subprocess.run([sys.executable, __file__, "--one", arch, "--work-dir", str(args.work_dir)],
-                               capture_output=True, timeout=args.timeout, env={**os.environ, "FXLLM_QUIET": "1"})
+                child = subprocess.run([sys.executable, __file__, "--one", arch, "--work-dir", str(args.work_dir)],
+                                       capture_output=True, text=True, timeout=args.timeout,
+                                       env={**os.environ, "FXLLM_QUIET": "1"},
+                                       preexec_fn=partial(_limit_memory, int(args.memory_gb * 2**30)))
             except subprocess.TimeoutExpired:
                 (results / f"{arch}.json").write_text(json.dumps({"arch": arch, "outcome": "timed out"}))
             found = results / f"{arch}.json"
+            if not found.exists() and child is not None and "MemoryError" in child.stderr:
+                found.write_text(json.dumps({"arch": arch, "outcome": "over the memory limit",
+                                             "error": f"more than --memory-gb {args.memory_gb:g}"}))
             outcome = json.loads(found.read_text())["outcome"] if found.exists() else "no result (crashed)"
             print(f"{arch:28} {outcome:20} {time.perf_counter() - started:6.1f} s", flush=True)
     for found in sorted(results.glob("*.json")):
