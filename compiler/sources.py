@@ -445,10 +445,10 @@ def check_supported(source: ModelSource) -> None:
     no causal-LM class, state-space or chunked-attention layers, ALiBi: model_features.check_capabilities), and a
     config whose sizes are not positive integers, whose context exceeds MAX_CONTEXT, whose rotary base or norm
     epsilons are out of range (CONFIG_NUMBER_FIELDS) (load_model also refuses sizes describing far more weights than
-    the files hold). A GGUF file's header must be readable here (every tensor with at least one dimension), its size keys positive
-    integers describing no more weights than the file can hold, its rotary base and norm epsilons finite numbers in
-    range (GGUF_NUMBER_KEYS), and its tensors aligned and disjoint; its config is only known once transformers parses
-    the whole file, so load_model checks the rest."""
+    the files hold). A GGUF file's header must be readable here (every tensor with at least one dimension), its size
+    keys positive integers describing no more weights than the file can hold, its rotary base and norm epsilons
+    finite numbers in range (GGUF_NUMBER_KEYS), and its tensors aligned and disjoint; its config is only known once
+    transformers parses the whole file, so load_model checks the rest."""
     architecture = source_architecture(source)
     if source.gguf_file:
         _check_gguf_sizes(source, architecture.removeprefix("gguf:"))
@@ -457,9 +457,9 @@ def check_supported(source: ModelSource) -> None:
         _check_gguf_tensor_layout(source)
         _check_gguf_block_count(source, architecture.removeprefix("gguf:"))
         return
-    config_path = source.directory / "config.json"
-    _check_config_sizes(_read_config(source), config_path)
-    _check_config_numbers(_read_config(source), config_path)
+    fields, config_path = _read_config(source), source.directory / "config.json"
+    _check_config_sizes(fields, config_path)
+    _check_config_numbers(fields, config_path)
     from transformers import AutoConfig
 
     try:

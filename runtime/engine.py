@@ -20,11 +20,11 @@ from fxllm.runtime.checks import describe
 from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.runtime.driver import CoreDriver
 from fxllm.runtime.engine_core import EngineCore
+from fxllm.runtime.kv_cache import SharedKVCache
 from fxllm.runtime.manifest import Manifest, SpeculativePlan, load_manifest
 from fxllm.runtime.metrics import EngineStats
 from fxllm.runtime.model_runner import ModelRunner
 from fxllm.runtime.request import RequestOutput, SamplingParams
-from fxllm.runtime.kv_cache import SharedKVCache
 from fxllm.runtime.request_validation import (GenerationRequest, available_memory, check_engine_options,
                                               check_kv_pool, check_load_flags, check_prompt, check_prompt_ids,
                                               check_prompt_labels, check_prompts, check_request, check_token_ids,

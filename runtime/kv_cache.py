@@ -162,6 +162,14 @@ def new_contiguous_cache(io: ModelIO, spec: ModelSpec, backend: object, batch: i
     return ContiguousKVCache.empty(io.num_layers, batch, spec.num_kv_heads, spec.head_dim, host_cache_dtype(io))
 
 
+def batch_columns(width: int, longest: int, context: int | None) -> int:
+    """Cache columns a contiguous batch can ever need: its widest prompt plus its longest generation, capped at the
+    context where given (right-padded rows; None for left-padded ones, whose padding columns stay, so together they
+    may pass it). What the scheduler's KV budget counts and where a shared buffer's doubling stops, kept in one place
+    so the two agree."""
+    return width + longest if context is None else min(width + longest, context)
+
+
 def host_cache_dtype(io: ModelIO) -> np.dtype:
     """The numpy element type of a graph's cache tensors: int8 codes, float16 for a half-precision artifact, else
     float32 (bfloat16 too, which numpy lacks: the TensorRT backend converts on the device; ONNX Runtime refuses

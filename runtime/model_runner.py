@@ -30,7 +30,8 @@ from fxllm.runtime.backend import Backend, StepFeeds
 from fxllm.runtime.contract import (ATTENTION_MASK, BLOCK_TABLES, CONTEXT_LENS, INPUT_IDS, LOGITS, LOGITS_INDEX,
                                     POSITION_IDS, ModelIO, ModelSpec, is_block_run)
 from fxllm.runtime.decode_mask import DecodeMask
-from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache, host_cache_dtype, new_contiguous_cache
+from fxllm.runtime.kv_cache import (ContiguousKVCache, SharedKVCache, batch_columns, host_cache_dtype,
+                                    new_contiguous_cache)
 from fxllm.runtime.paged_cache import HeadMajorKVPool, PagedKVPool
 from fxllm.runtime.scheduler import PREFILL, ScheduledBatch
 
@@ -114,9 +115,8 @@ class ModelRunner:
             longest = max(r.params.max_tokens for r in batch.requests)
             extra = min(longest, max(width, SharedKVCache.MIN_CAPACITY))
             capacity = min(width + extra, self.spec.max_positions)
-            # what the scheduler's KV budget counted; a left-padded batch keeps its padding columns, so its rows
-            # may pass the context together
-            ceiling = min(width + longest, self.spec.max_positions) if right else width + longest
+            # what the scheduler's KV budget counted (left-padded rows keep their padding columns: no context cap)
+            ceiling = batch_columns(width, longest, self.spec.max_positions if right else None)
             recyclable = (isinstance(finished, SharedKVCache)  # and within the budget's count
                           and finished.capacity <= max(ceiling, SharedKVCache.MIN_CAPACITY))
             reused = finished.recycled(len(rows), capacity) if recyclable else None

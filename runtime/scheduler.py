@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.block_manager import BlockManager, OutOfBlocks
+from fxllm.runtime.kv_cache import batch_columns
 from fxllm.runtime.request import Request, RequestStatus
 
 PREFILL, DECODE = "prefill", "decode"
@@ -258,8 +259,7 @@ class StaticBatchScheduler(_Queues):
         self.token_budget, self.max_positions, self.min_columns = token_budget, max_positions, min_columns
 
     def _columns(self, width: int, longest: int) -> int:
-        columns = width + longest if self.max_positions is None else min(width + longest, self.max_positions)
-        return max(columns, self.min_columns)
+        return max(batch_columns(width, longest, self.max_positions), self.min_columns)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """A request whose own cache row could outgrow the KV budget is refused before it waits (any other fits a

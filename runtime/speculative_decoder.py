@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache
+from fxllm.runtime.kv_cache import ContiguousKVCache, SharedKVCache, batch_columns
 from fxllm.runtime.request import Request
 from fxllm.runtime.sampler import SampledTokens, sample_rows
 from fxllm.runtime.scheduler import PREFILL, ScheduledBatch
@@ -41,7 +41,8 @@ class SpeculativeDecoder(Speculator):
     def _prefill(self, request: Request, prompt_logits: bool) -> SampledTokens:
         cache = self._caches[request.seq_id] = self.target.new_cache()
         if isinstance(cache, SharedKVCache):  # a verification feeds up to k tokens past the request's last one
-            cache.ceiling = min(len(request.prompt_token_ids) + request.params.max_tokens + self.k, self.context)
+            cache.ceiling = batch_columns(len(request.prompt_token_ids), request.params.max_tokens + self.k,
+                                          self.context)
         logits = self.target.step_one(cache, request.prompt_token_ids, 0, all_logits=prompt_logits)
         token = int(sample_rows(logits[-1:], [request.sampler])[0])
         return SampledTokens([token], logits[-1:], logits if prompt_logits else None)

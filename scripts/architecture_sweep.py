@@ -10,8 +10,9 @@ all in one call, EOS ignored) against transformers' `generate(do_sample=False)`,
 Each architecture runs in its own process under --timeout seconds and --memory-gb of address space (a few
 multimodal types' tiny configs took all 24 GB of the development VM, and the kernel's OOM killer with it). Outcomes:
 OK, WRONG TOKENS (a bug), refused (fxllm's one-line error: the feature it names), crashed (a traceback: a bug), over
-the memory limit, and transformers failing on the tiny config itself (not fxllm's). Models, artifacts and results/<arch>.json go under --work-dir
-(default ~/.cache/fxllm/architecture-sweep). Nothing here is a test: the matrix in tests/test_architectures.py is.
+the memory limit, and transformers failing on the tiny config itself (not fxllm's). Models, artifacts and
+results/<arch>.json go under --work-dir (default ~/.cache/fxllm/architecture-sweep). Nothing here is a test: the
+matrix in tests/test_architectures.py is.
 """
 
 from __future__ import annotations

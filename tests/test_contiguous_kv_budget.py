@@ -35,6 +35,14 @@ def watched(engine) -> tuple[list[int], list[int]]:
     return rows, peak
 
 
+def recorded_moves(monkeypatch) -> list[int]:
+    """The capacity of every buffer move of every SharedKVCache from now on (the test's own monkeypatch undoes it)."""
+    capacities = []
+    move = SharedKVCache._move
+    monkeypatch.setattr(SharedKVCache, "_move", lambda cache, *args: (capacities.append(args[1]), move(cache, *args)))
+    return capacities
+
+
 @pytest.fixture(scope="module")
 def standard_form(make_tiny_model, tmp_path_factory):
     """The tiny llama in the standard ONNX form: a cache that grows by Concat (no 256-row minimum)."""
@@ -125,9 +133,7 @@ def test_a_left_padded_batch_is_counted_past_the_context_and_stays_within_its_bu
     fit and their buffers outgrew it (2 rows x 2,048 columns once the long row left), and the buffers' doubling
     stopped at the capped count, so each step past it moved the whole buffer."""
     per_token = fxllm.load(left_padded, huge_pages=False).spec.kv_bytes_per_token()
-    moves = []
-    move = SharedKVCache._move
-    monkeypatch.setattr(SharedKVCache, "_move", lambda cache, *args: (moves.append(args[1]), move(cache, *args)))
+    moves = recorded_moves(monkeypatch)
     engine = fxllm.load(left_padded, kv_cache_memory=3400 * per_token, huge_pages=False)
     assert engine.io.shared_buffer and not engine.io.right_padded and engine.capacity_tokens() == 3400
     engine.eos_token_ids = set()
@@ -142,9 +148,7 @@ def test_a_left_padded_batch_is_counted_past_the_context_and_stays_within_its_bu
 def test_speculative_decoding_s_cache_stops_doubling_at_its_request_s_need(left_padded, monkeypatch):
     """Prompt lookup on a contiguous artifact keeps its own cache per request; it doubled past what the request
     could need (to 1,024 rows for 8 + 582 tokens)."""
-    capacities = []
-    move = SharedKVCache._move
-    monkeypatch.setattr(SharedKVCache, "_move", lambda cache, *args: (capacities.append(args[1]), move(cache, *args)))
+    capacities = recorded_moves(monkeypatch)
     engine = fxllm.load(left_padded, speculative="ngram", huge_pages=False)
     engine.eos_token_ids = set()
     prompt = [9, 10, 11, 12] * 2
