@@ -131,6 +131,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
+        self.stop_token_ids = frozenset(params.stop_token_ids)  # looked up after every token
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -178,7 +179,7 @@ class Request:
         request (EOS or stop token, a stop string, max_tokens); the caller then finishes it."""
         self.output_token_ids.append(token)
         params = self.params
-        if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if (token in eos_token_ids and not params.ignore_eos) or token in self.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
             return self.detokenizer.finish()
         delta = self.detokenizer.add(token)
