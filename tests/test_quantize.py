@@ -386,6 +386,30 @@ def test_a_calibration_text_too_short_is_refused_before_the_passes(make_tiny_mod
     assert not (tmp_path / "out").exists()
 
 
+def test_a_long_calibration_text_is_tokenized_in_slices(make_tiny_model, calibration_file):
+    """A 56 MB calibration text was tokenized whole for 2 windows of 64 tokens: 112 s and 7.9 GB. A text over
+    WHOLE_TEXT_CHARS is tokenized only in one slice a window, at evenly spread places; each window is real text's
+    tokens (it decodes to a piece of the text) and the windows differ."""
+    from fxllm.compiler.quant import calibration
+    from fxllm.compiler.quant.calibration import calibration_tokens
+
+    tokenizer = load_tokenizer(resolve_source(make_tiny_model("llama")))
+    base = calibration_file.read_text()
+    text = base * (calibration.WHOLE_TEXT_CHARS // len(base) + 2)
+    seen: list[int] = []
+
+    def counting(piece, **kwargs):
+        seen.append(len(piece))
+        return tokenizer(piece, **kwargs)
+
+    windows = calibration_tokens(counting, text, 4, 64, "long.txt")
+    assert windows.shape == (4, 64)
+    assert sum(seen) <= 4 * 64 * calibration.SLICE_CHARS_PER_TOKEN * 2 ** (calibration.SLICE_TRIES - 1)
+    assert len({tuple(row.tolist()) for row in windows}) == 4
+    for row in windows:
+        assert tokenizer.decode(row.tolist()).strip() in text
+
+
 def test_mixture_of_experts_routers_stay_float(tmp_path):
     """A router (linear → softmax → top-k) rounded to int4 moves tokens to other experts, a discrete error the
     experts' own rounding does not make; it is [experts × hidden], nothing to save. AutoAWQ and llama.cpp keep it

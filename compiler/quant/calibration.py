@@ -23,21 +23,64 @@ Node = torch.fx.Node
 Visit = Callable[[list[Node], torch.Tensor, bool], dict[Node, torch.Tensor]]  # (group, x, outputs needed)
 
 
+WHOLE_TEXT_CHARS = 4_000_000  # a text up to this long is tokenized whole (shakespeare: 0.96 M characters)
+SLICE_CHARS_PER_TOKEN = 8  # a longer text's slices: this many characters for each token a window needs, doubled
+SLICE_TRIES = 4  # ... up to this many times where a slice holds fewer tokens (then the text is tokenized whole)
+
+
+class TooFewTokens(Exception):
+    """The text holds fewer tokens than the windows need; `tokens`: how many it holds."""
+
+    def __init__(self, tokens: int):
+        super().__init__(tokens)
+        self.tokens = tokens
+
+
+def spread_windows(tokenizer, text: str, count: int, window: int, needed: int) -> list[list[int]]:
+    """`count` windows of `window` token ids at evenly spread places of the text, which must hold `needed` tokens
+    (else TooFewTokens). A text of up to WHOLE_TEXT_CHARS characters is tokenized whole; a longer one only in
+    `count` slices at evenly spread offsets, each window starting at its slice's second token (the first may be a
+    word's tail), so a corpus of any size costs what its windows do: tokenizing a 56 MB text whole took 7.9 GB."""
+    if len(text) > WHOLE_TEXT_CHARS:
+        windows = _windows_from_slices(tokenizer, text, count, window)
+        if windows is not None:
+            return windows
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < needed:
+        raise TooFewTokens(len(ids))
+    starts = torch.linspace(0, len(ids) - window, count).long().tolist()
+    return [ids[s:s + window] for s in starts]
+
+
+def _windows_from_slices(tokenizer, text: str, count: int, window: int) -> list[list[int]] | None:
+    """spread_windows for a long text, from slices; None where a slice holds too few tokens however long it is."""
+    span = window * SLICE_CHARS_PER_TOKEN
+    for _ in range(SLICE_TRIES):
+        if span * count > len(text):
+            return None
+        starts = torch.linspace(0, len(text) - span, count).long().tolist()
+        windows = [tokenizer(text[s:s + span], add_special_tokens=False)["input_ids"][1:window + 1] for s in starts]
+        if all(len(ids) == window for ids in windows):
+            return windows
+        span *= 2
+    return None
+
+
 def calibration_tokens(tokenizer, text: str, samples: int, seq_len: int, source: str) -> torch.Tensor:
     """`samples` windows of `seq_len` tokens, evenly spread over the text: [samples, seq_len]."""
     if samples < 1 or seq_len < 2:
         raise PipelineError(f"quantize: need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
     if not text.strip():
         raise PipelineError(f"quantize: the calibration text '{source}' is empty")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     needed = samples * seq_len
-    if len(ids) < needed:
+    try:
+        windows = spread_windows(tokenizer, text, samples, seq_len, needed)
+    except TooFewTokens as short:
         raise PipelineError(
-            f"quantize: the calibration text '{source}' has {len(ids)} tokens; {samples} samples of {seq_len} tokens "
-            f"need {needed}; give a longer text or fewer/shorter samples (--pass-option quantize.samples=N, "
-            f"quantize.seq_len=N)")
-    starts = torch.linspace(0, len(ids) - seq_len, samples).long().tolist()
-    return torch.tensor([ids[s:s + seq_len] for s in starts], dtype=torch.long)
+            f"quantize: the calibration text '{source}' has {short.tokens} tokens; {samples} samples of {seq_len} "
+            f"tokens need {needed}; give a longer text or fewer/shorter samples (--pass-option quantize.samples=N, "
+            f"quantize.seq_len=N)") from None
+    return torch.tensor(windows, dtype=torch.long)
 
 
 def check_calibration_source(path: str, user: str = "quantize") -> None:

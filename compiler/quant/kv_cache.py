@@ -47,17 +47,16 @@ def calibration_windows(tokenizer, calibration: str, max_positions: int) -> tupl
     """SAMPLES windows of WINDOW tokens (fewer for a model with fewer positions) spread over the calibration text:
     [SAMPLES, window], and what they are. Called right after the capture: a text too short is refused before the
     passes (a GPTQ's minutes), not after them."""
-    from fxllm.compiler.quant.calibration import read_calibration_text
+    from fxllm.compiler.quant.calibration import TooFewTokens, read_calibration_text, spread_windows
 
     text, source = read_calibration_text(calibration, user="kv-cache int8")
     window = min(WINDOW, max_positions)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < window:
-        raise PipelineError(f"kv-cache int8: the calibration text '{source}' has {len(ids)} token"
-                            f"{'s' if len(ids) != 1 else ''}; calibrating the cache needs at least {window}")
-    starts = np.linspace(0, len(ids) - window, SAMPLES).astype(int).tolist()
-    return (torch.tensor([ids[s:s + window] for s in starts], dtype=torch.long),
-            f"{source}, {SAMPLES} windows of {window} tokens")
+    try:
+        windows = spread_windows(tokenizer, text, SAMPLES, window, window)
+    except TooFewTokens as short:
+        raise PipelineError(f"kv-cache int8: the calibration text '{source}' has {short.tokens} token"
+                            f"{'s' if short.tokens != 1 else ''}; calibrating the cache needs at least {window}") from None
+    return torch.tensor(windows, dtype=torch.long), f"{source}, {SAMPLES} windows of {window} tokens"
 
 
 def kv_cache_scales(program: Program, windows: tuple[torch.Tensor, str]) -> tuple[list[tuple[np.ndarray, np.ndarray]],
