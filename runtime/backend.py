@@ -112,7 +112,13 @@ def check_model_matches(manifest: Manifest, backend: Backend) -> None:
     if problem is not None:
         raise ArtifactError(f"'{manifest.model_file.name}' does not match the manifest: {problem}; recompile the "
                             "artifact")
-    recorded = backend.metadata().get(CONTRACT_METADATA_KEY)
+    check_contract_digest(manifest, backend.metadata())
+
+
+def check_contract_digest(manifest: Manifest, metadata: dict[str, str]) -> None:
+    """ArtifactError when the model file's metadata records the digest of another spec or signature than the
+    manifest's (an artifact that records none passes)."""
+    recorded = metadata.get(CONTRACT_METADATA_KEY)
     if recorded is not None and recorded != contract_digest(manifest.data["spec"], list(manifest.io.inputs),
                                                             list(manifest.io.outputs)):
         raise ArtifactError(f"the manifest's model spec or signature was changed after compilation (it no longer "

@@ -8,10 +8,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fxllm.runtime.backend import check_contract_digest
 from fxllm.runtime.checks import byte_size
 from fxllm.runtime.manifest import load_manifest
 from fxllm.runtime.paged_cache import default_num_blocks
-from fxllm.runtime.stored_tensors import StoredTensor, stored_tensors
+from fxllm.runtime.stored_tensors import StoredTensor, stored_metadata, stored_tensors
 
 # Buffer names of the quantize pass (passes/quantize.py, compiler/quant/experts.py) as lowering keeps them (ONNX
 # Runtime's split-projections inserts `_partN` before the suffix): the codes, and what dequantizing them also reads.
@@ -29,6 +30,7 @@ def describe_artifact(path: str | os.PathLike) -> dict[str, Any]:
     the same per code format, [{"bits": format width, "stored_bits": width as stored, "weights", "bits_per_weight"}]}.
     ArtifactError for an invalid artifact."""
     loaded = load_manifest(path, verify=True)
+    check_contract_digest(loaded, stored_metadata(loaded.model_file))  # as a load does: an edited spec is refused
     manifest, spec = loaded.data, loaded.data["spec"]
     kv_bytes = loaded.spec.kv_bytes_per_token()
     files = manifest["files"]

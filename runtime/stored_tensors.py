@@ -1,6 +1,7 @@
-"""The weights a model file stores (name, element count, bits per element, float or not), read from the file's
-metadata without loading any weight: an ONNX file's initializers (parsed from the protobuf wire format: `onnx` is
-the compile extra's, and the runtime must not need it) or a torch.export archive's weight configs."""
+"""The weights a model file stores (name, element count, bits per element, float or not) and its custom metadata,
+read without loading any weight: an ONNX file's initializers and metadata_props (parsed from the protobuf wire
+format: `onnx` is the compile extra's, and the runtime must not need it) or a torch.export archive's weight configs
+and extra files."""
 
 from __future__ import annotations
 
@@ -42,6 +43,39 @@ def stored_tensors(model_file: Path) -> Iterator[StoredTensor]:
             yield from _pt2_tensors(model_file)
     except (ValueError, IndexError, KeyError, TypeError, zipfile.BadZipFile) as exc:
         raise ArtifactError(f"cannot read the weights' metadata in '{model_file.name}': {exc}") from None
+
+
+def stored_metadata(model_file: Path) -> dict[str, str]:
+    """An ONNX model's metadata_props or a torch.export archive's extra files, as {key: value}, read without
+    loading any weight (what a backend's `metadata()` returns once loaded); other files have none."""
+    try:
+        if model_file.suffix == ".onnx":
+            return _onnx_metadata(model_file)
+        if model_file.suffix == ".pt2":
+            return _pt2_extra_files(model_file)
+    except (ValueError, IndexError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"cannot read the metadata of '{model_file.name}': {exc}") from None
+    return {}
+
+
+def _onnx_metadata(path: Path) -> dict[str, str]:
+    """ModelProto.metadata_props (field 14): StringStringEntryProto key (1), value (2)."""
+    found = {}
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        for number, value in _fields(data, 0, len(data)):
+            if number != 14 or not isinstance(value, tuple):
+                continue
+            entry = {field: data[text[0]:text[1]].decode("utf-8") for field, text in _fields(data, *value)
+                     if field in (1, 2) and isinstance(text, tuple)}
+            found[entry.get(1, "")] = entry.get(2, "")
+    return found
+
+
+def _pt2_extra_files(path: Path) -> dict[str, str]:
+    """The archive's extra files (`<root>/extra/<name>`), as torch.export.load's extra_files reads them."""
+    with zipfile.ZipFile(path) as archive:
+        return {name.split("/", 2)[2]: archive.read(name).decode("utf-8") for name in archive.namelist()
+                if name.count("/") >= 2 and name.split("/", 2)[1] == "extra" and not name.endswith("/")}
 
 
 def _onnx_initializers(path: Path) -> Iterator[StoredTensor]:

@@ -185,6 +185,15 @@ def test_spec_edited_after_compilation_is_refused(artifact):
         fxllm.load(artifact)
 
 
+def test_inspect_refuses_a_spec_edited_after_compilation(artifact):
+    """`fxllm inspect` showed an edited manifest's context and KV dtype and exited 0 where a load refused the same
+    artifact: it reads the model file's recorded digest (without loading a weight) and refuses alike."""
+    assert "contract" not in describe_artifact(artifact)["text"]
+    _edit(artifact, lambda m: m["spec"].update(max_positions=4, dtype="float16"))
+    with pytest.raises(ArtifactError, match="model spec or signature was changed after compilation"):
+        describe_artifact(artifact)
+
+
 def test_model_file_that_differs_from_the_manifest_fails_at_load(artifact, make_tiny_model, tmp_path):
     """The paged artifact's model in a contiguous artifact's directory: refused at load, not at the first step."""
     paged = tmp_path / "paged"
