@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from fxllm.compiler.quant.awq import clip_and_quantize, search_scales
-from fxllm.compiler.quant.calibration import (calibration_tokens, check_calibration_source, read_calibration_text,
-                                              walk_linears)
+from fxllm.compiler.quant.calibration import (calibration_tokens, check_calibration_source, check_sample_shape,
+                                              read_calibration_text, walk_linears)
 from fxllm.compiler.quant.experts import keep_gguf_experts, quantize_experts
 from fxllm.compiler.quant.gptq import HessianAccumulator, gptq_quantize
 from fxllm.compiler.pass_registry import register_pass
@@ -67,12 +67,21 @@ class QuantizedLinear:
 
 
 def _check_pass_options(*, method: str, group_size: int | None, lm_head: str, embedding: str, calib: str,
-                        damp: float = 0.01, **_: object) -> None:
+                        damp: float = 0.01, samples: int = 16, seq_len: int = 512, zero_point: bool | None = None,
+                        **_: object) -> None:
     """Everything quantize would refuse, checked when the pipeline is built (before loading the model)."""
     _check_options(method, METHOD_DEFAULTS.get(method, (128, False))[0] if group_size is None else group_size,
                    lm_head, embedding)
+    _check_zero_point(method, zero_point)
     check_calibration_source(calib)
+    check_sample_shape(samples, seq_len)
     _check_damp(damp)
+
+
+def _check_zero_point(method: str, zero_point: bool | None) -> None:
+    if zero_point and method in ("int8", "gguf"):
+        why = "int8 is symmetric per output channel" if method == "int8" else "gguf keeps the file's own blocks"
+        raise PipelineError(f"quantize: zero_point applies to the int4 methods (int4-rtn, int4-gptq, int4-awq); {why}")
 
 
 def _check_damp(damp: object) -> None:
@@ -100,9 +109,7 @@ def quantize(program: Program, *, method: str = "int8", group_size: int | None =
     group_size / zero_point default per method (METHOD_DEFAULTS)."""
     default_group, default_zero_point = METHOD_DEFAULTS.get(method, (128, False))
     group_size = default_group if group_size is None else group_size
-    if zero_point and method in ("int8", "gguf"):
-        why = "int8 is symmetric per output channel" if method == "int8" else "gguf keeps the file's own blocks"
-        raise PipelineError(f"quantize: zero_point applies to the int4 methods (int4-rtn, int4-gptq, int4-awq); {why}")
+    _check_zero_point(method, zero_point)
     zero_point = default_zero_point if zero_point is None else zero_point
     _check_options(method, group_size, lm_head, embedding)
     _check_damp(damp)

@@ -386,6 +386,31 @@ def test_a_calibration_text_too_short_is_refused_before_the_passes(make_tiny_mod
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("quant, options, message", [
+    ("int4-gptq", {"samples": 0}, "need samples >= 1 and seq_len >= 2, got 0 and 512"),
+    ("int4-awq", {"seq_len": 1}, "need samples >= 1 and seq_len >= 2, got 16 and 1"),
+    ("int8", {"zero_point": True}, "zero_point applies to the int4 methods"),
+    ("int4-gptq", {"calib": "blank"}, r"the calibration text '.*blank\.txt' is empty"),
+])
+def test_quantize_options_are_refused_before_the_model_loads(quant, options, message, make_tiny_model, tmp_path,
+                                                             monkeypatch):
+    """These were refused only inside the quantize pass or its calibration, after the load and the capture (15-19 s
+    on a tiny model, minutes on a real one); the pipeline's option check now refuses them first."""
+    import fxllm.compiler.compile as compile_module
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model loaded before the options were checked")
+
+    monkeypatch.setattr(compile_module, "load_model", loads)
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n\n ")
+    if options.get("calib") == "blank":
+        options = {"calib": str(blank)}
+    with pytest.raises(PipelineError, match=message):
+        fxllm.compile(make_tiny_model("llama"), tmp_path / "out", quant=quant, pass_options={"quantize": options})
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_long_calibration_text_is_tokenized_in_slices(make_tiny_model, calibration_file):
     """A 56 MB calibration text was tokenized whole for 2 windows of 64 tokens: 112 s and 7.9 GB. A text over
     WHOLE_TEXT_CHARS is tokenized only in one slice a window, at evenly spread places; each window is real text's

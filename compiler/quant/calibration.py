@@ -68,8 +68,7 @@ def _windows_from_slices(tokenizer, text: str, count: int, window: int) -> list[
 
 def calibration_tokens(tokenizer, text: str, samples: int, seq_len: int, source: str) -> torch.Tensor:
     """`samples` windows of `seq_len` tokens, evenly spread over the text: [samples, seq_len]."""
-    if samples < 1 or seq_len < 2:
-        raise PipelineError(f"quantize: need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
+    check_sample_shape(samples, seq_len)
     if not text.strip():
         raise PipelineError(f"quantize: the calibration text '{source}' is empty")
     needed = samples * seq_len
@@ -81,6 +80,12 @@ def calibration_tokens(tokenizer, text: str, samples: int, seq_len: int, source:
             f"tokens need {needed}; give a longer text or fewer/shorter samples (--pass-option quantize.samples=N, "
             f"quantize.seq_len=N)") from None
     return torch.tensor(windows, dtype=torch.long)
+
+
+def check_sample_shape(samples: int, seq_len: int) -> None:
+    """The quantize pass's calibration shape: at least one sample of at least two tokens."""
+    if samples < 1 or seq_len < 2:
+        raise PipelineError(f"quantize: need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
 
 
 def check_calibration_source(path: str, user: str = "quantize") -> None:
@@ -98,7 +103,8 @@ def check_calibration_source(path: str, user: str = "quantize") -> None:
         problem = "is a directory" if file.is_dir() else "is not readable" if file.exists() else "does not exist"
         raise PipelineError(f"{user}: the calibration text '{path}' {problem} (give a UTF-8 text file or one of "
                             f"{', '.join(dataset_names())})")
-    _decode(file.read_bytes(), path, user)  # before the model loads: a binary file is refused at once
+    if not _decode(file.read_bytes(), path, user).strip():  # before the model loads: refused at once, not after it
+        raise PipelineError(f"{user}: the calibration text '{path}' is empty")
 
 
 def read_calibration_text(path: str, user: str = "quantize") -> tuple[str, str]:
