@@ -14,8 +14,8 @@ from fxllm.runtime.write_leftovers import remove_leftovers
 from fxllm.compiler.dump import clear_previous_dump
 from fxllm.compiler.gguf_cache import sharing_gguf_readers
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
-from fxllm.compiler.draft import (SELF_INT4_PASSES, check_layers, check_same_tokenizer, check_same_vocab,
-                                  parse_draft, truncate_layers)
+from fxllm.compiler.draft import (SELF_INT4_PASSES, check_draft_source, check_layers, check_same_tokenizer,
+                                  check_same_vocab, parse_draft, truncate_layers)
 from fxllm.compiler.pipeline import build_pipeline, check_dtype, parse_pipeline, place_dtype, place_quantization
 from fxllm.progress import status
 from fxllm.compiler.sources import check_supported, custom_code_ignored, load_model, load_tokenizer, resolve_source
@@ -112,7 +112,7 @@ def compile_model(
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
     if draft_source is not None:
-        check_supported(draft_source)
+        check_draft_source(source, draft_source, draft_spec)
     check_supported(source)
     resolved_output = check_output(output)
     _check_dump_dir(dump_dir, resolved_output)

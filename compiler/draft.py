@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxllm.compiler.pipeline import DEFAULT_PIPELINE
-from fxllm.errors import ModelSourceError, PipelineError
+from fxllm.compiler.sources import ModelSource, check_supported, declared_vocab_size
+from fxllm.errors import ModelSourceError, PipelineError, UnsupportedModelError
 from fxllm.runtime.contract import MAX_SPEC_K
 
 SELF_INT4_PASSES = ",".join(p for p in DEFAULT_PIPELINE if p != "kv-cache") + \
@@ -58,6 +59,19 @@ def check_layers(spec: DraftSpec, target_layers: int) -> None:
     if spec.mode == "self-layers" and spec.layers >= target_layers:
         raise PipelineError(f"--draft self-layers:{spec.layers} must keep fewer layers than the target's "
                             f"{target_layers}")
+
+
+def check_draft_source(target: ModelSource, draft: ModelSource, spec: DraftSpec) -> None:
+    """A draft model's source, before any weight loads: one fxllm cannot compile is refused as the draft's (the
+    message would otherwise read as the target's), and a vocabulary size its header states that differs from the
+    target's at once rather than after the draft's whole compile."""
+    try:
+        check_supported(draft)
+    except (ModelSourceError, UnsupportedModelError) as exc:
+        raise type(exc)(f"--draft '{spec.model}': {exc}") from None
+    target_vocab, draft_vocab = declared_vocab_size(target), declared_vocab_size(draft)
+    if target_vocab is not None and draft_vocab is not None:
+        check_same_vocab(target_vocab, draft_vocab, spec.describe())
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:

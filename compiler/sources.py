@@ -243,6 +243,22 @@ def source_architecture(source: ModelSource) -> str:
     return (architectures or [f"model_type:{config.get('model_type', '?')}"])[0]
 
 
+def declared_vocab_size(source: ModelSource) -> int | None:
+    """How many token ids a source's model scores, as its header says without loading weights: config.json's
+    vocab_size (or its text_config's), a GGUF's `<arch>.vocab_size` or its token list's length; None where not
+    stated. The loaded model's lm_head stays the last word."""
+    if source.gguf_file:
+        reader = _gguf_reader(source)
+        size = _gguf_value(reader, f"{gguf_architecture(source)}.vocab_size")
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        size = size if size is not None else len(tokens.data) if tokens is not None and tokens.data else None
+    else:
+        config = _read_config(source)
+        text_config = config.get("text_config")
+        size = config.get("vocab_size", text_config.get("vocab_size") if isinstance(text_config, dict) else None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
 def check_context(length: int, where: str) -> None:
     """Refuse a context length past MAX_CONTEXT; `where` names the file and field that state it."""
     if length > MAX_CONTEXT:

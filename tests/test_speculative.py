@@ -84,6 +84,34 @@ def test_bad_drafts_and_k(make_tiny_model, tokenizer, tmp_path_factory, tmp_path
     assert not (tmp_path / "vocab").exists()  # nothing half-written
 
 
+def test_a_draft_model_is_checked_before_any_weight_loads(make_tiny_model, tmp_path, monkeypatch):
+    """A draft whose config states another vocabulary was refused only after the target and the whole draft had
+    compiled (23 s for a tiny pair, minutes for real ones); a draft fxllm cannot compile was refused in words that
+    read as the target's. Both now before any weight loads, the second naming --draft."""
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    import fxllm.compiler.compile as compile_module
+    from fxllm.errors import UnsupportedModelError
+
+    target = make_tiny_model("llama")
+    bigger_vocab = tmp_path / "bigger-vocab"
+    config = tiny_config("llama")
+    config.vocab_size += 64
+    AutoModelForCausalLM.from_config(config).save_pretrained(bigger_vocab)
+    alibi = tmp_path / "alibi"
+    BloomConfig(n_layer=1, hidden_size=32, n_head=2).save_pretrained(alibi)
+
+    def loads(*args, **kwargs):
+        raise AssertionError("a weight loaded before the draft was checked")
+
+    monkeypatch.setattr(compile_module, "load_model", loads)
+    with pytest.raises(ModelSourceError, match=f"{config.vocab_size} output logits, the target {config.vocab_size-64}"):
+        fxllm.compile(target, tmp_path / "vocab", draft=str(bigger_vocab))
+    with pytest.raises(UnsupportedModelError, match=rf"^--draft '{alibi}': .*ALiBi attention"):
+        fxllm.compile(target, tmp_path / "alibi-out", draft=str(alibi))
+    assert not (tmp_path / "vocab").exists() and not (tmp_path / "alibi-out").exists()
+
+
 def test_spec_k_override_is_checked(make_tiny_model, tmp_path):
     artifact = tmp_path / "ngram"
     fxllm.compile(make_tiny_model("llama"), artifact, draft="ngram", spec_k=2)
