@@ -120,15 +120,24 @@ def _draining_server(service, config, drain_timeout: float):
     """A uvicorn.Server whose exit signal first stops the service accepting requests (before uvicorn drains), and
     `drain_timeout` seconds later aborts the engine requests still running, so that their clients get the OpenAI
     error (503, or an error event and [DONE] in a stream) before uvicorn cancels what is left after ABORT_GRACE
-    (which would answer a plain-text 500 or cut a stream)."""
+    (which would answer a plain-text 500 or cut a stream). A second Ctrl-C during the drain aborts them at once
+    (uvicorn's own second Ctrl-C is that cancellation); a third is uvicorn's force exit."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         loop: asyncio.AbstractEventLoop | None = None  # set by _run
         _aborting: asyncio.TimerHandle | None = None
 
+        _aborted_at_once = False
+
         def handle_exit(self, sig, frame) -> None:
             service.stop_accepting()
+            if self.should_exit and sig == signal.SIGINT and not self._aborted_at_once and self.loop is not None:
+                # uvicorn's force exit would cancel the handlers: tracebacks, a plain-text 500, streams cut short
+                self._aborted_at_once = True
+                logger.warning("Ctrl-C again: aborting the running requests now (once more forces the exit)")
+                self.loop.call_soon_threadsafe(self._abort)
+                return
             if self.loop is not None and self._aborting is None:
                 self.loop.call_soon_threadsafe(self._abort_later)
             super().handle_exit(sig, frame)

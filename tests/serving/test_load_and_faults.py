@@ -295,6 +295,35 @@ def drain_timeout_bounds_the_shutdown(process: ServerProcess) -> None:
     assert time.monotonic() - start < 10
 
 
+def test_a_second_ctrl_c_aborts_the_running_requests_at_once(serve_artifact, tmp_path):
+    """A second Ctrl-C during the drain was uvicorn's force exit: it cancelled the handlers, so the log held an
+    'Exception in ASGI application' traceback per request, a queued non-streamed client got a plain-text 500 and a
+    running stream was cut without an error event. Now it aborts the running requests at once: the OpenAI error
+    (503, an error event and [DONE]), no traceback, exit 130 within seconds (the drain would take 30)."""
+    body = {"model": "artifact", "prompt": "Hi", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    with one_at_a_time_server(serve_artifact, tmp_path) as process:
+        port = int(process.root.rsplit(":", 1)[1])
+        with httpx.Client(base_url=process.url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
+            with client.stream("POST", "/completions", json={**body, "stream": True}) as response:
+                lines = response.iter_lines()
+                assert next(line for line in lines if line).startswith("data: {")
+                queued = pool.submit(httpx.post, f"{process.url}/completions", json=body, timeout=60)
+                assert wait_until(lambda: process.metrics()["fxllm_num_requests_waiting"] == 1)
+                process.proc.send_signal(signal.SIGINT)
+                assert wait_until(lambda: refused_connection(port), timeout=5)
+                start = time.monotonic()
+                process.proc.send_signal(signal.SIGINT)
+                events = rest_of(lines)
+            answer = queued.result()
+        assert process.proc.wait(30) == 130
+        assert time.monotonic() - start < 10
+    assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2].removeprefix("data: "))["error"][
+        "message"], events[-3:]
+    assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"], answer.text
+    log = (tmp_path / "stderr.log").read_text()
+    assert "Traceback" not in log and "Ctrl-C again: aborting the running requests now" in log, log[-2000:]
+
+
 # Installed as `sitecustomize` of a server process: the model card raises, a bug in the server's own code.
 BUGGY_CARD = '''
 from fxllm.serving.service import OpenAIService
