@@ -73,6 +73,22 @@ def test_bad_ray_options_are_one_line(long_context_artifact, options, expected):
     assert not ray_processes(tag)
 
 
+@pytest.mark.parametrize("options, expected", [
+    (("--replicas", "64"), "64 engine replicas × --replica-cpus 1 = 64 CPU, but this machine's Ray cluster has"),
+    (("--replica-gpus", "64"), "1 engine replica × --replica-gpus 64 = 64 GPU, but this machine's Ray cluster has"),
+])
+def test_replicas_the_local_cluster_cannot_place_are_one_line(long_context_artifact, options, expected):
+    """Serve waits without a deadline for a replica it cannot place, and `fxllm serve --ray` waited with it: no
+    word for minutes, deaf to SIGTERM and Ctrl-C (only SIGKILL ended it, leaving the cluster running). A cluster of
+    this machine never grows, so what it cannot hold is refused at once, the cluster stopped."""
+    tag = uuid.uuid4().hex
+    proc = subprocess.run([FXLLM, "serve", str(long_context_artifact), "--ray", "--port", "0", *options],
+                          capture_output=True, text=True, timeout=120, env=tagged_environment(tag))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and expected in lines[0], (options, proc.stderr)
+    assert wait_until(lambda: not ray_processes(tag), timeout=30), ray_processes(tag)
+
+
 def test_ray_options_without_ray_and_a_missing_artifact(long_context_artifact, tmp_path):
     for argv, expected in [((str(long_context_artifact), "--replicas", "2"), "--replicas only apply with --ray"),
                            ((str(tmp_path / "missing"), "--ray"), "does not exist")]:

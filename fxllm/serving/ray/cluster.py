@@ -106,23 +106,70 @@ def serve_on_ray(options: RayServeOptions, **engine_options) -> int:
 
 def _run(serve, app, options: RayServeOptions, port: int, stop: threading.Event) -> None:
     server = options.server
+    if options.ray_address is None:
+        check_room(options)
     serve.start(http_options={"host": server.host, "port": port})
     try:
-        try:
-            serve.run(app, name=APP_NAME, route_prefix="/",
-                      logging_config={**LOGGING, "enable_access_log": server.access_log})
-        except Exception as exc:  # a replica failed to start: its traceback is in the deployment's status message
-            raise FxllmError(f"the Ray Serve application failed to start: {_cause(exc, _status_messages(serve))}") \
-                from None
+        if not _start_app(serve, app, server, stop):
+            return
         shown = f"[{server.host}]" if ":" in server.host else server.host
         name = server.served_model_name or artifact_name(server.artifact)
-        scaling = f"autoscaled {options.autoscale}" if options.autoscale else f"{options.replicas or 1} replicas"
+        count = options.replicas or 1
+        scaling = f"autoscaled {options.autoscale}" if options.autoscale else f"{count} replica{'s' * (count != 1)}"
         print(f"fxllm: serving '{name}' on Ray Serve ({scaling}, {options.router} routing) at "
               f"http://{shown}:{port}/v1 (OpenAI API; SIGTERM or Ctrl-C stops)", flush=True)
         while not stop.wait(1.0):
             pass
     finally:
         serve.delete(APP_NAME)  # drains: running requests finish within --drain-timeout
+
+
+def check_room(options: RayServeOptions) -> None:
+    """FxllmError when the cluster started here cannot place the engine replicas it starts with (Serve would wait
+    for them forever: a cluster of this machine never grows). A joined cluster may autoscale: _start_app warns."""
+    import ray
+
+    replicas = options.replicas or 1
+    if options.autoscale is not None:
+        replicas = max(parse_autoscale(options.autoscale)[0], 1)
+    total = ray.cluster_resources()
+    for resource, each, flag in (("CPU", options.replica_cpus, "--replica-cpus"),
+                                 ("GPU", options.replica_gpus, "--replica-gpus")):
+        have = total.get(resource, 0.0)
+        if replicas * each > have + 1e-9:
+            count = "--replicas" if options.autoscale is None else "the --autoscale minimum"
+            raise FxllmError(f"{replicas} engine replica{'s' if replicas != 1 else ''} × {flag} {each:g} = "
+                             f"{replicas * each:g} {resource}, but this machine's Ray cluster has {have:g} (lower "
+                             f"{flag} or {count}, or join a larger cluster with --ray-address)")
+
+
+def _start_app(serve, app, server: ServeOptions, stop: threading.Event) -> bool:
+    """serve.run in a thread of its own, since it waits for every replica without a deadline: a signal ends the
+    wait here (False: stopped before the app ran), and a replica that cannot be placed is said once (Serve's
+    message: what each needs, what the cluster has). FxllmError (one line) when a replica failed to start."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/",
+                      logging_config={**LOGGING, "enable_access_log": server.access_log})
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="fxllm-serve-run", daemon=True)
+    thread.start()
+    warned = False
+    while thread.is_alive():
+        if stop.wait(0.5):
+            return False
+        if not warned and "to be scheduled" in (waiting := _status_messages(serve)):
+            warned = True
+            logger.warning("fxllm: waiting for Ray to place the engine replicas: %s",
+                           next(line for line in waiting.splitlines() if "to be scheduled" in line))
+    if failure:  # a replica failed to start: its traceback is in the deployment's status message
+        raise FxllmError(f"the Ray Serve application failed to start: "
+                         f"{_cause(failure[0], _status_messages(serve))}") from None
+    return True
 
 
 class _RaySession:
