@@ -1,5 +1,6 @@
 """`fxllm serve ARTIFACT --ray` as a user runs it: a cluster of this machine is started, the app answers the
-official client, SIGTERM drains it (a running stream completes) and exits 0 with no Ray process left; bad input (`--ray` without the extra, an
+official client, SIGTERM drains it (a running stream completes, a new request gets 503) and exits 0 with no Ray
+process left; bad input (`--ray` without the extra, an
 unreachable `--ray-address`, `--replicas 0`, ...) is one line on stderr, exit 1, nothing started."""
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ import socket
 import subprocess
 import uuid
 
+import httpx
 import openai
 import pytest
 
 from tests.conftest import PROMPTS
-from tests.serving.conftest import FXLLM, ServerProcess, ray_processes, tagged_environment, wait_until
+from tests.serving.conftest import (FXLLM, ServerProcess, ray_processes, slow_steps_env, tagged_environment,
+                                    wait_until)
 from tests.test_thin_runtime import Blocked
 
 pytest.importorskip("ray", reason="the `ray` extra is not installed (scripts/setup.sh --test installs it)")
@@ -23,7 +26,7 @@ def test_cli_serves_on_a_local_cluster_and_stops_it(long_context_artifact, tmp_p
     tag = uuid.uuid4().hex
     process = ServerProcess(long_context_artifact, "--ray", "--replicas", "1", "--served-model-name", "tiny",
                             "--api-key", "sk-ray", log=tmp_path / "stderr.log", timeout=240,
-                            env=tagged_environment(tag))
+                            env={**slow_steps_env(tmp_path / "site"), **tagged_environment(tag)})
     try:
         assert ray_processes(tag)  # the cluster runs, and its processes carry the tag
         client = openai.OpenAI(base_url=process.url, api_key="sk-ray", max_retries=0, timeout=120)
@@ -36,6 +39,11 @@ def test_cli_serves_on_a_local_cluster_and_stops_it(long_context_artifact, tmp_p
                                            stream=True, extra_body={"ignore_eos": True})
         first = next(iter(stream))
         process.proc.send_signal(signal.SIGTERM)  # drain: the running stream still completes
+        # meanwhile a new request is turned away with 503 and the OpenAI body (it got Serve's plain-text 404)
+        assert wait_until(lambda: health_status(process.root) == 503, timeout=15)
+        with pytest.raises(openai.InternalServerError, match="shutting down") as refused:
+            client.completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert refused.value.status_code == 503
         rest = list(stream)
         assert len(rest) >= 1 and rest[-1].choices[0].finish_reason == "length"
         assert len(first.choices[0].text + "".join(c.choices[0].text for c in rest)) > 0
@@ -43,6 +51,13 @@ def test_cli_serves_on_a_local_cluster_and_stops_it(long_context_artifact, tmp_p
         status = process.terminate(timeout=120)
     assert status == 0, process.log.read_text()
     assert wait_until(lambda: not ray_processes(tag), timeout=30), ray_processes(tag)
+
+
+def health_status(root: str) -> int:
+    try:
+        return httpx.get(f"{root}/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
 
 
 def closed_port() -> int:

@@ -27,6 +27,7 @@ from fxllm.serving.ray.engine import EngineSettings
 from fxllm.serving.server import check_drain_timeout
 
 ROUTERS = ("default", "prefix")
+INGRESS_DEPLOYMENT = "FxllmIngress"
 DEFAULT_MAX_BATCH = 64
 
 
@@ -74,7 +75,7 @@ def build_app(artifact: str, *, served_model_name: str | None = None, api_key: s
         health_check_timeout_s=max(30.0, health_check_period), max_constructor_retry_count=3, **scaling,
         **routing)
     board = serve.deployment(MetricsBoard, name="FxllmMetrics", num_replicas=1, ray_actor_options={"num_cpus": 0})
-    ingress = serve.deployment(serve.ingress()(Ingress), name="FxllmIngress", num_replicas=1,
+    ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, num_replicas=1,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000,
                                graceful_shutdown_timeout_s=drain_timeout + 5)
     metrics = board.bind()

@@ -19,12 +19,13 @@ import re
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from fxllm.errors import FxllmError, MissingDependencyError
 from fxllm.runtime.request_validation import check_engine_options
-from fxllm.serving.ray.app import artifact_name, build_app, check_options, parse_autoscale
+from fxllm.serving.ray.app import INGRESS_DEPLOYMENT, artifact_name, build_app, check_options, parse_autoscale
 from fxllm.serving.ray.artifacts import is_uri
 from fxllm.serving.server import ServeOptions
 
@@ -109,8 +110,10 @@ def _run(serve, app, options: RayServeOptions, port: int, stop: threading.Event)
     if options.ray_address is None:
         check_room(options)
     serve.start(http_options={"host": server.host, "port": port})
+    started = False
     try:
-        if not _start_app(serve, app, server, stop):
+        started = _start_app(serve, app, server, stop)
+        if not started:
             return
         shown = f"[{server.host}]" if ":" in server.host else server.host
         name = server.served_model_name or artifact_name(server.artifact)
@@ -121,7 +124,24 @@ def _run(serve, app, options: RayServeOptions, port: int, stop: threading.Event)
         while not stop.wait(1.0):
             pass
     finally:
-        serve.delete(APP_NAME)  # drains: running requests finish within --drain-timeout
+        if started:
+            _drain_ingress(serve, server.drain_timeout)
+        serve.delete(APP_NAME)  # drains the engine replicas: what still runs finishes within --drain-timeout
+
+
+def _drain_ingress(serve, timeout: float) -> None:
+    """New requests get 503 with the OpenAI body (and /health says "shutting down") while the running ones finish,
+    for up to `timeout` seconds: deleting the app drops its route from Serve's proxy at once, so a request arriving
+    during Serve's own drain got the proxy's plain-text 404, which clients do not retry."""
+    try:
+        ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=APP_NAME)
+        running = ingress.begin_drain.remote().result(timeout_s=10)
+        deadline = time.monotonic() + timeout
+        while running and time.monotonic() < deadline:
+            time.sleep(0.25)
+            running = ingress.running.remote().result(timeout_s=10)
+    except Exception as exc:  # noqa: BLE001 - the ingress is gone or stuck: Serve's own drain still follows
+        logger.warning("fxllm: the ingress did not drain (%s); deleting the app", _last_line(exc))
 
 
 def check_room(options: RayServeOptions) -> None:

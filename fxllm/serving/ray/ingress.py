@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
@@ -45,6 +46,8 @@ class RemoteModel:
     def __init__(self, engine, board, model_names: tuple[str, ...]):
         self.engine, self.board, self.model_names = engine, board, model_names
         self._info: dict | None = None
+        self.draining = False  # shutting down: new requests get 503, /health says so
+        self.running = 0  # requests forwarded and not yet answered (a stream: until its last event)
 
     def check_model(self, name: str) -> None:
         check_model_name(self.model_names, name)
@@ -55,7 +58,10 @@ class RemoteModel:
         return ModelCard(id=name, created=self._info["created"], max_model_len=self._info["max_model_len"])
 
     async def health(self) -> str:
-        """One engine replica's status, or "unavailable" when none answers within HEALTH_TIMEOUT seconds."""
+        """One engine replica's status, or "unavailable" when none answers within HEALTH_TIMEOUT seconds; "shutting
+        down" once draining."""
+        if self.draining:
+            return "shutting down"
         try:
             return await asyncio.wait_for(self.engine.status.remote(), HEALTH_TIMEOUT)
         except (asyncio.TimeoutError, *_replica_errors()):
@@ -73,6 +79,28 @@ class RemoteModel:
         return await self._forward("chat", request)
 
     async def _forward(self, route: str, request):
+        if self.draining:
+            raise APIError(503, "the server is shutting down and accepts no new requests")
+        self.running += 1
+        released = []
+
+        def release() -> None:  # once: a stream's relay ends, or is dropped unstarted (a client gone before it)
+            if not released:
+                released.append(True)
+                self.running -= 1
+
+        try:
+            reply = await self._call(route, request, release)
+        except BaseException:
+            release()
+            raise
+        if isinstance(reply, StreamingResponse):
+            weakref.finalize(reply.body_iterator, release)
+        else:
+            release()
+        return reply
+
+    async def _call(self, route: str, request, release: Callable[[], None]):
         from ray.serve.exceptions import BackPressureError
 
         for attempt in (1, 2):
@@ -95,13 +123,14 @@ class RemoteModel:
         headers = {REPLICA_HEADER: head.replica, **head.headers}
         if head.body is not None:
             return JSONResponse(head.body, status_code=head.status, headers=headers)
-        return StreamingResponse(_relay(call), media_type="text/event-stream",
+        return StreamingResponse(_relay(call, release), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
-async def _relay(call) -> AsyncIterator[str]:
+async def _relay(call, release: Callable[[], None]) -> AsyncIterator[str]:
     """A stream's events as the engine replica sends them; if the replica dies midway, an error event and [DONE].
-    Closing the response (the client went away) cancels the call, which aborts its engine requests."""
+    Closing the response (the client went away) cancels the call, which aborts its engine requests. `release` is
+    called when it ends: the stream counts as running until then."""
     finished = False
     try:
         async for events in call:
@@ -113,6 +142,7 @@ async def _relay(call) -> AsyncIterator[str]:
                                         "retry the request", code="replica_unavailable"))
         yield DONE
     finally:
+        release()
         if not finished:
             call.cancel()
 
@@ -123,6 +153,16 @@ class Ingress:
     def __init__(self, engine, board, model_names: tuple[str, ...], api_key: str | None = None):
         self.remote = RemoteModel(engine, board, tuple(model_names))
         self.api_key = api_key
+
+    def begin_drain(self) -> int:
+        """Shutting down (called before the app is deleted, which drops its route at once: a request then got the
+        proxy's plain-text 404): new requests get 503 with the OpenAI body, /health says "shutting down".
+        Returns how many requests are still running."""
+        self.remote.draining = True
+        return self.remote.running
+
+    def running(self) -> int:
+        return self.remote.running
 
     def __serve_build_asgi_app__(self):
         from fxllm.serving.app import create_app
