@@ -15,6 +15,7 @@ from typing import Any
 
 from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.checks import byte_size, describe, flag, integer, short, text
+from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.runtime.paged_cache import parse_bytes
 from fxllm.runtime.request import SamplingParams
 
@@ -154,7 +155,8 @@ def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_me
                          max_batch: Any = 64, max_tokens_per_step: Any = None, spec_k: Any = None) -> None:
     """Engine.load's numeric options: threads None or 1..MAX_THREADS; kv_blocks None or >= 1; kv_cache_memory
     None, or a positive int of bytes or size string parse_bytes reads ("256MB"), not both; max_batch >= 1;
-    max_tokens_per_step None or >= 1; spec_k None or an int (its range is the artifact's business)."""
+    max_tokens_per_step None or >= 1; spec_k None or an int in 1..MAX_SPEC_K (checked before a load, which is
+    long, where the artifact's own speculator would refuse it after)."""
     if threads is not None:
         integer("threads", threads, minimum=1, maximum=MAX_THREADS)
     if kv_blocks is not None:
@@ -172,8 +174,8 @@ def check_engine_options(threads: Any = None, kv_blocks: Any = None, kv_cache_me
     integer("max_batch", max_batch, minimum=1)
     if max_tokens_per_step is not None:
         integer("max_tokens_per_step", max_tokens_per_step, minimum=1)
-    if spec_k is not None:
-        integer("spec_k", spec_k)
+    if spec_k is not None and not 1 <= integer("spec_k", spec_k) <= MAX_SPEC_K:
+        raise InvalidArgumentError("spec_k", f"spec_k must be between 1 and {MAX_SPEC_K}, got {spec_k}")
 
 
 def check_load_flags(backend: Any, verify: Any, prefix_caching: Any, spin: Any, torch_compile: Any,

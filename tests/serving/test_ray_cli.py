@@ -76,6 +76,7 @@ def closed_port() -> int:
     (("--ray-address", "nonsense"), "--ray-address takes HOST:PORT"),
     (("--max-tokens-per-step", "0"), "max_tokens_per_step must be >= 1, got 0"),  # engine options: before any replica
     (("--max-batch", "0"), "max_batch must be >= 1, got 0"),
+    (("--spec-k", "99"), "spec_k must be between 1 and 16, got 99"),  # was refused by each replica, after its load
     (("--kv-cache-memory", "lots"), "cannot read 'lots' as a memory size"),
     (("--drain-timeout", "nan"), "--drain-timeout must be >= 0 seconds, got nan"),
 ])

@@ -69,7 +69,8 @@ def serve_on_ray(options: RayServeOptions, **engine_options) -> int:
     check_engine_options(threads=engine_options.get("threads"), kv_blocks=engine_options.get("kv_blocks"),
                          kv_cache_memory=engine_options.get("kv_cache_memory"),
                          max_batch=engine_options.get("max_batch", 64),
-                         max_tokens_per_step=engine_options.get("max_tokens_per_step"))
+                         max_tokens_per_step=engine_options.get("max_tokens_per_step"),
+                         spec_k=engine_options.get("spec_k"))
     server.check()
     require_ray()
     local = options.ray_address is None
