@@ -273,10 +273,14 @@ def test_drain_timeout_bounds_the_shutdown(serve_artifact, tmp_path):
     """With --drain-timeout 0, SIGTERM aborts at once a running stream (an OpenAI error event, then [DONE]) and a
     queued non-streamed request (503 with the error body, not uvicorn's plain-text 500), and the process exits 0."""
     with one_at_a_time_server(serve_artifact, tmp_path, "--drain-timeout", "0") as process:
-        drain_timeout_bounds_the_shutdown(process)
+        running_requests_answered_at_shutdown(process)
 
 
-def drain_timeout_bounds_the_shutdown(process: ServerProcess) -> None:
+def running_requests_answered_at_shutdown(process: ServerProcess, signals: tuple[int, ...] = (signal.SIGTERM,),
+                                          exit_code: int = 0) -> None:
+    """A running stream and a queued non-streamed request, then `signals` (each after the listener closed): both
+    get the OpenAI error (an error event and [DONE]; 503 with the body) and the process exits within 10 s."""
+    port = int(process.root.rsplit(":", 1)[1])
     body = {"model": "artifact", "prompt": "Hi", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     with httpx.Client(base_url=process.url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
         with client.stream("POST", "/completions", json={**body, "stream": True}) as response:
@@ -285,13 +289,17 @@ def drain_timeout_bounds_the_shutdown(process: ServerProcess) -> None:
             queued = pool.submit(httpx.post, f"{process.url}/completions", json=body, timeout=60)
             assert wait_until(lambda: process.metrics()["fxllm_num_requests_waiting"] == 1)
             start = time.monotonic()
-            process.proc.send_signal(signal.SIGTERM)
+            for index, signum in enumerate(signals):
+                if index:
+                    assert wait_until(lambda: refused_connection(port), timeout=5)
+                    start = time.monotonic()
+                process.proc.send_signal(signum)
             events = rest_of(lines)
         answer = queued.result()
     assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2].removeprefix("data: "))["error"][
         "message"], events[-3:]
     assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"], answer.text
-    assert process.proc.wait(30) == 0
+    assert process.proc.wait(30) == exit_code
     assert time.monotonic() - start < 10
 
 
@@ -300,26 +308,8 @@ def test_a_second_ctrl_c_aborts_the_running_requests_at_once(serve_artifact, tmp
     'Exception in ASGI application' traceback per request, a queued non-streamed client got a plain-text 500 and a
     running stream was cut without an error event. Now it aborts the running requests at once: the OpenAI error
     (503, an error event and [DONE]), no traceback, exit 130 within seconds (the drain would take 30)."""
-    body = {"model": "artifact", "prompt": "Hi", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     with one_at_a_time_server(serve_artifact, tmp_path) as process:
-        port = int(process.root.rsplit(":", 1)[1])
-        with httpx.Client(base_url=process.url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
-            with client.stream("POST", "/completions", json={**body, "stream": True}) as response:
-                lines = response.iter_lines()
-                assert next(line for line in lines if line).startswith("data: {")
-                queued = pool.submit(httpx.post, f"{process.url}/completions", json=body, timeout=60)
-                assert wait_until(lambda: process.metrics()["fxllm_num_requests_waiting"] == 1)
-                process.proc.send_signal(signal.SIGINT)
-                assert wait_until(lambda: refused_connection(port), timeout=5)
-                start = time.monotonic()
-                process.proc.send_signal(signal.SIGINT)
-                events = rest_of(lines)
-            answer = queued.result()
-        assert process.proc.wait(30) == 130
-        assert time.monotonic() - start < 10
-    assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2].removeprefix("data: "))["error"][
-        "message"], events[-3:]
-    assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"], answer.text
+        running_requests_answered_at_shutdown(process, (signal.SIGINT, signal.SIGINT), exit_code=130)
     log = (tmp_path / "stderr.log").read_text()
     assert "Traceback" not in log and "Ctrl-C again: aborting the running requests now" in log, log[-2000:]
 
