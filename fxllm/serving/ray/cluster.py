@@ -142,7 +142,7 @@ def _drain_ingress(serve, timeout: float) -> None:
             time.sleep(0.25)
             running = ingress.running.remote().result(timeout_s=10)
     except Exception as exc:  # noqa: BLE001 - the ingress is gone or stuck: Serve's own drain still follows
-        logger.warning("fxllm: the ingress did not drain (%s); deleting the app", _last_line(exc))
+        logger.warning("the ingress did not drain (%s); deleting the app", _last_line(exc))
 
 
 def check_room(options: RayServeOptions) -> None:
@@ -185,7 +185,7 @@ def _start_app(serve, app, server: ServeOptions, stop: threading.Event) -> bool:
             return False
         if not warned and "to be scheduled" in (waiting := _status_messages(serve)):
             warned = True
-            logger.warning("fxllm: waiting for Ray to place the engine replicas: %s",
+            logger.warning("waiting for Ray to place the engine replicas: %s",
                            next(line for line in waiting.splitlines() if "to be scheduled" in line))
     if failure:  # a replica failed to start: its traceback is in the deployment's status message
         raise FxllmError(f"the Ray Serve application failed to start: "
