@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fxllm.errors import InvalidArgumentError
+from fxllm.errors import ArtifactError, InvalidArgumentError
 from fxllm.runtime.backend import Backend, load_backend
 from fxllm.runtime.checks import describe
 from fxllm.runtime.contract import MAX_SPEC_K
@@ -39,6 +39,7 @@ DEFAULT_NGRAM_K = 4  # prompt lookup asked for at load time on an artifact compi
 # one call, 512 tokens a call 0.91x; paged: 256 against 512 tokens a call 0.90-0.98x at 1,035 tokens, 0.85-1.02x at
 # 500).
 DEFAULT_TOKENS_PER_STEP = 256
+LOAD_ATTEMPTS = 3  # loads of an artifact that a compile replaced while it loaded (each retry reads the new one)
 # A paged iteration's prompt-token admission budget when max_tokens_per_step is not given: more requests admitted
 # an iteration, fewer decode steps between admissions; each still prefilled in calls of DEFAULT_TOKENS_PER_STEP.
 DEFAULT_PAGED_ADMISSION_TOKENS = 512
@@ -121,6 +122,26 @@ class Engine:
         check_engine_options(threads, kv_blocks, kv_cache_memory, max_batch, max_tokens_per_step, spec_k)
         check_load_flags(backend, verify, prefix_caching, spin, torch_compile, int8_activations, unrolled_draft,
                          providers, device, huge_pages)
+        for _ in range(LOAD_ATTEMPTS):
+            identity = _directory_identity(path)
+            try:
+                manifest, runner, tokenizer, draft_plan = cls._read_artifact(
+                    path, threads, providers, verify, backend, kv_blocks, int8_activations, speculative, spec_k, spin,
+                    device, torch_compile, unrolled_draft, huge_pages)
+            except Exception:
+                if _directory_identity(path) == identity:
+                    raise
+                continue  # replaced while it loaded (a compile finished): its files were of both artifacts
+            if _directory_identity(path) == identity:
+                return cls(manifest.directory, manifest, runner, tokenizer, kv_cache_memory, kv_blocks, max_batch,
+                           max_tokens_per_step, prefix_caching, draft_plan)
+        raise ArtifactError(f"'{path}' was replaced {LOAD_ATTEMPTS} times while it loaded (is a compile writing it "
+                            "again and again?); load it once that is done")
+
+    @classmethod
+    def _read_artifact(cls, path, threads, providers, verify, backend, kv_blocks, int8_activations, speculative,
+                       spec_k, spin, device, torch_compile, unrolled_draft, huge_pages):
+        """load's reading of the artifact's files: (manifest, model runner's backend, tokenizer, draft plan)."""
         manifest = load_manifest(path, verify=verify)
         if kv_blocks is not None and not manifest.io.paged:  # refused, not ignored: the user meant to size a pool
             raise InvalidArgumentError("kv_blocks", f"kv_blocks applies to paged artifacts; '{path}' has a contiguous "
@@ -158,8 +179,7 @@ class Engine:
                                          providers=providers, verify=verify, int8_activations=int8_activations,
                                          huge_pages=huge_pages)
             draft_plan = (plan.mode, k, draft)
-        return cls(manifest.directory, manifest, runner, tokenizer, kv_cache_memory, kv_blocks, max_batch,
-                   max_tokens_per_step, prefix_caching, draft_plan)
+        return manifest, runner, tokenizer, draft_plan
 
     def _pool_blocks(self) -> int:
         from fxllm.runtime.paged_cache import default_num_blocks, parse_bytes
@@ -358,6 +378,16 @@ class Engine:
         if request.max_new_tokens > room:
             changes["max_tokens"] = room
         return replace(request.sampling, **changes) if changes else request.sampling
+
+
+def _directory_identity(path: str | os.PathLike) -> tuple[int, int] | None:
+    """What the path names now (device, inode; None: nothing): a compile swaps a new directory in, so a load whose
+    path names another directory after it than before may have read files of both artifacts."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _speculative_plan(manifest: Manifest, speculative: bool | str) -> SpeculativePlan | None:

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from fxllm.errors import ArtifactError
 from fxllm.runtime.contract import MANIFEST_FILE
@@ -58,3 +59,42 @@ def test_weights_the_manifest_stopped_listing_are_refused(artifact):
     path.write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match=r"'model.onnx.data' \(the weights of model.onnx\) is not checksummed"):
         load_manifest(artifact)
+
+
+def test_an_artifact_replaced_while_it_loads_is_read_again(make_tiny_artifact, make_tiny_model, tokenizer, tmp_path,
+                                                           monkeypatch):
+    """A compile that finished while `fxllm generate` or `fxllm serve` loaded the same artifact made the load read
+    files of both (the probe: one model's model.onnx with the other's weights, exit 0 and text of neither model; or a
+    false 'checksum mismatch'): the files are checked, then opened again by path. Now a load whose path names another
+    directory after it than before reads the new artifact again. Here the swap comes between the model and its
+    tokenizer: the engine must be the new artifact's alone."""
+    import fxllm
+    import fxllm.runtime.engine as engine_module
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import PROMPTS, tiny_config
+
+    other = tmp_path / "other-model"
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    new = tmp_path / "new"
+    fxllm.compile(other, new)
+    old = make_tiny_artifact("llama")
+    tokens = {name: fxllm.load(path).generate(PROMPTS[0], max_new_tokens=12).token_ids
+              for name, path in (("old", old), ("new", new))}
+    assert tokens["old"] != tokens["new"]
+    served = tmp_path / "served"
+    shutil.copytree(old, served)
+    real = engine_module.load_tokenizer
+    swaps = []
+
+    def swapped_first(directory):
+        if not swaps:  # what a compile's last step does: the old directory aside, the new one in its place
+            swaps.append(served.rename(tmp_path / "retired"))
+            shutil.copytree(new, served)
+        return real(directory)
+
+    monkeypatch.setattr(engine_module, "load_tokenizer", swapped_first)
+    assert fxllm.load(served).generate(PROMPTS[0], max_new_tokens=12).token_ids == tokens["new"]
+    assert swaps
