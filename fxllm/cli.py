@@ -216,6 +216,8 @@ def cmd_compile(args) -> None:
                            kv_cache_dtype=args.kv_cache_dtype, kv_cache_calib=args.kv_cache_calib)
     wall = time.perf_counter() - start
     try:
+        if sys.stdout is None:  # closed (>&-): print() would drop the report without a word
+            raise OSError(errno.EBADF, "standard output is closed")
         _print_compile_report(args, report, wall)
         sys.stdout.flush()  # a block-buffered stdout fails here, not at exit after the command has returned
     except BrokenPipeError:
@@ -435,6 +437,7 @@ def cmd_serve(args) -> int:
     return serve(options, **engine_options)
 
 
+WITHOUT_STDOUT = ("compile", "serve")  # their work is an artifact or a server: they run with stdout closed
 COMMANDS = {"compile": cmd_compile, "generate": cmd_generate, "inspect": cmd_inspect, "eval": cmd_eval,
             "passes": cmd_passes, "build-engine": cmd_build_engine, "serve": cmd_serve}
 
@@ -453,10 +456,14 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (see the module docstring for the policy)."""
     verbose = False  # until the command line is parsed: a usage error has no traceback worth showing
+    closed = _occupy_closed_standard_streams()
     _never_fail_on_encoding()
     try:
         args = build_parser().parse_args(argv)
         verbose = args.verbose
+        if sys.stdout is None and args.command not in WITHOUT_STDOUT:  # print() would drop the output silently
+            raise UsageError(f"standard output is closed{' (>&-)' if 1 in closed else ''}: `fxllm {args.command}` "
+                             "prints its result there; redirect it (> FILE, or > /dev/null)")
         if not verbose:
             _quiet_libraries()
         code = COMMANDS[args.command](args)
@@ -498,6 +505,24 @@ def _is_device_out_of_memory(exc: Exception) -> bool:
     limit the user can act on, like MemoryError, not a bug."""
     return any(cls.__name__ == "OutOfMemoryError" and cls.__module__.startswith("torch")
                for cls in type(exc).__mro__)
+
+
+def _occupy_closed_standard_streams() -> set[int]:
+    """The standard descriptors (0-2) that were closed (`>&-`), each now open on the null device: a file the command
+    opens would otherwise take that number, and whatever a library writes to it would land in the file. Python
+    leaves sys.stdout None for a closed stdout (and print() then drops everything); main refuses the commands whose
+    result goes there."""
+    closed = set()
+    for descriptor in (0, 1, 2):
+        try:
+            os.fstat(descriptor)
+        except OSError:
+            closed.add(descriptor)
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != descriptor:
+                os.dup2(null, descriptor)
+                os.close(null)
+    return closed
 
 
 def _never_fail_on_encoding() -> None:

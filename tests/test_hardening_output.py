@@ -172,6 +172,27 @@ def test_a_report_that_cannot_be_printed_does_not_call_a_written_artifact_failed
     assert (output / MANIFEST).is_file() and main(["inspect", str(output)]) == 0
 
 
+def test_a_closed_stdout_is_said_not_dropped(make_tiny_model, make_tiny_artifact, tmp_path):
+    """`>&-`: Python leaves sys.stdout None and print() drops everything, so `fxllm generate` / `inspect` exited 0
+    having printed nothing, and a compile wrote its artifact, then failed with 'internal error: AttributeError'.
+    Now those refuse in one line before any work, and a compile says its artifact is whole; the closed descriptor is
+    held on the null device, so no file the command opens takes its number."""
+    def closed_stdout(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fxllm", *argv], stderr=subprocess.PIPE, text=True, timeout=600,
+                              preexec_fn=lambda: os.close(1))
+
+    for argv in (("generate", str(make_tiny_artifact("llama")), "--prompt", "Hi"),
+                 ("inspect", str(make_tiny_artifact("llama")))):
+        done = closed_stdout(*argv)
+        assert_one_line_error(done.returncode, done.stderr, f"standard output is closed (>&-): `fxllm {argv[0]}` "
+                                                            "prints its result there")
+    output = tmp_path / "artifact"
+    done = closed_stdout("compile", str(make_tiny_model("llama")), "-o", str(output))
+    assert_one_line_error(done.returncode, done.stderr, f"'{output}' was compiled and written, but its report could "
+                                                        "not be printed: standard output is closed")
+    assert (output / MANIFEST).is_file() and main(["inspect", str(output)]) == 0
+
+
 def test_output_below_a_file_fails_before_loading(capsys, tmp_path, broken_model):
     (tmp_path / "file.txt").write_text("x")
     code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(tmp_path / "file.txt" / "out"))
