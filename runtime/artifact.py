@@ -14,7 +14,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -136,8 +139,11 @@ def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
                 if file.is_file():
                     file.chmod(0o666 & ~_umask())
             check_output(output)  # again: the user may have put files there while we compiled
-            with held_back():  # never between the two renames
+            with held_back(raise_after=False) as held:  # never between the two renames; done once they are
                 _swap_into_place(staging, output)
+            if held.signum is not None:
+                print(f"fxllm: note: {signal.Signals(held.signum).name} came as '{output}' was put in place; the "
+                      "compile had finished and the new artifact is whole", file=sys.stderr)
         except BaseException as exc:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -204,7 +210,23 @@ def _swap_into_place(staging: Path, output: Path) -> None:
         os.replace(retired / "artifact", output)
         shutil.rmtree(retired, ignore_errors=True)
         raise
+    old = _existing_manifest(retired / "artifact")
+    late = _unowned_entries(retired / "artifact", old) if old is not None else ["manifest.json"]
+    if late:  # put there after the last check_output: the user's, so the old artifact is kept, in plain sight
+        kept = _unused_name(output.with_name(f"{output.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
+        os.replace(retired / "artifact", kept)
+        print(f"fxllm: note: the replaced artifact held '{late[0]}'{' and more' if len(late) > 1 else ''}, which "
+              f"it does not own (put there as the compile finished); it is kept as '{kept}'", file=sys.stderr)
     shutil.rmtree(retired, ignore_errors=True)
+
+
+def _unused_name(path: Path) -> Path:
+    """`path`, or the first of path-2, path-3, ... that does not exist."""
+    candidate, number = path, 1
+    while candidate.exists() or candidate.is_symlink():
+        number += 1
+        candidate = path.with_name(f"{path.name}-{number}")
+    return candidate
 
 
 def _umask() -> int:

@@ -72,22 +72,34 @@ def interruptible() -> Iterator[None]:
         _guard = None
 
 
+class Held:
+    """What held_back saw: `signum`, the signal that arrived while its block ran (None: none)."""
+
+    signum: int | None = None
+
+
 @contextmanager
-def held_back() -> Iterator[None]:
+def held_back(raise_after: bool = True) -> Iterator[Held]:
     """Inside an interruptible block: a signal that arrives while this block runs is raised as Interrupted when it
-    ends (unless the block itself failed). Outside one: nothing to hold back."""
+    ends (unless the block itself failed). With raise_after=False, for a block after which the work is done (the
+    swap that puts a new artifact in place), it is only recorded in the yielded Held, and later ones are ignored
+    until the interruptible block ends: an exit status that says "interrupted" must mean the output is as it was.
+    Outside an interruptible block: nothing to hold back."""
+    held = Held()
     guard = _guard
     if guard is None or guard.holding:
-        yield
+        yield held
         return
     guard.holding = True
     try:
-        yield
+        yield held
     finally:
         guard.holding = False
     if guard.pending is not None and guard.fired is None:
         guard.fired = guard.pending
-        raise Interrupted(guard.pending)
+        held.signum = guard.pending
+        if raise_after:
+            raise Interrupted(guard.pending)
 
 
 @contextmanager

@@ -419,6 +419,55 @@ def test_a_signal_during_held_back_steps_is_raised_right_after_them():
     assert steps == ["held back"] and caught.value.signum == signal.SIGTERM
 
 
+def test_a_signal_during_the_swap_does_not_call_a_finished_compile_interrupted(artifact_copy, monkeypatch, capsys):
+    """A SIGINT held back during the swap (which also removes the old artifact: slow for a large one) was raised
+    once the new artifact was in place: exit 130 'interrupted', which says the output was left as it was. Once the
+    renames are done the compile has finished: the signal is said in a note, and later ones are ignored."""
+    import fxllm.runtime.artifact as artifact_module
+
+    real = artifact_module._swap_into_place
+
+    def signalled(staging, output):
+        real(staging, output)
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(100_000))  # the handler runs here, and only records the signal
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(100_000))
+
+    monkeypatch.setattr(artifact_module, "_swap_into_place", signalled)
+    with staging_directory(artifact_copy) as stage:
+        (stage / "model.onnx").write_bytes(b"new")
+        write_manifest(stage, {"fxllm_version": "test"})
+    assert (artifact_copy / "model.onnx").read_bytes() == b"new" and hidden_entries(artifact_copy.parent) == []
+    assert "note: SIGINT came as" in capsys.readouterr().err
+
+
+def test_a_file_put_into_the_old_artifact_at_the_swap_is_kept(artifact_copy, monkeypatch, capsys):
+    """A file the user put into the output after the last check and before the swap went with the old artifact
+    (removed whole). The old artifact's directory is now checked again once aside: holding such a file it is kept,
+    in plain sight next to the output, and a note says where."""
+    import fxllm.runtime.artifact as artifact_module
+
+    real = artifact_module.check_output
+    calls = []
+
+    def then_a_file(output):
+        resolved = real(output)
+        calls.append(output)
+        if len(calls) == 2:  # the last check, right before the swap
+            (artifact_copy / "my-notes.txt").write_text("mine")
+        return resolved
+
+    monkeypatch.setattr(artifact_module, "check_output", then_a_file)
+    with staging_directory(artifact_copy) as stage:
+        (stage / "model.onnx").write_bytes(b"new")
+        write_manifest(stage, {"fxllm_version": "test"})
+    kept = [p for p in artifact_copy.parent.iterdir() if p.name.startswith(f"{artifact_copy.name}.replaced-")]
+    assert len(kept) == 1 and (kept[0] / "my-notes.txt").read_text() == "mine"
+    assert (artifact_copy / "model.onnx").read_bytes() == b"new" and hidden_entries(artifact_copy.parent) == []
+    assert f"it is kept as '{kept[0]}'" in capsys.readouterr().err
+
+
 def test_a_cleanup_that_fails_because_of_the_signal_still_ends_as_the_interruption(tmp_path):
     """A signal that lands inside a library's bookkeeping can break that library's own cleanup on the way out
     (torch's mode stack: "Trying to pop empty mode stack" replaced SIGTERM mid-lowering, and the CLI reported an
