@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
 from fxllm.runtime.write_leftovers import remove_leftovers
@@ -115,7 +115,7 @@ def compile_model(
         check_draft_source(source, draft_source, draft_spec)
     check_supported(source)
     resolved_output = check_output(output)
-    _check_dump_dir(dump_dir, resolved_output)
+    dump_lock = _check_dump_dir(dump_dir, resolved_output)  # held until this compile returns
     report = CompileReport(Path(output))
 
     def timed(phase: str, message: str, function, *args, **kwargs):
@@ -225,6 +225,8 @@ def compile_model(
             write_manifest(stage, manifest)
     if target == "tensorrt":
         _try_engine_build(report)
+    if dump_lock is not None:
+        dump_lock.close()
     return report
 
 
@@ -286,9 +288,10 @@ def _check_plain_options(passes: Any, keep_layers: Any, requantize: Any, int8_ac
         raise PipelineError(f"keep_layers must be a layer count >= 1, got {describe(keep_layers)}")
 
 
-def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> None:
+def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> IO[bytes] | None:
+    """The dump directory made ready (clear_previous_dump): its marker, locked for this compile; None without."""
     if dump_dir is None:
-        return
+        return None
     try:
         dumps = Path(dump_dir).resolve()
         if dumps.exists() and not dumps.is_dir():
@@ -297,7 +300,7 @@ def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> None:
             raise PipelineError(f"--dump-dir '{dump_dir}' is inside the output directory, which the compile "
                                 "replaces; write the dumps elsewhere")
         dumps.mkdir(parents=True, exist_ok=True)  # now, so that an unwritable place fails before the work
-        clear_previous_dump(dumps)
+        return clear_previous_dump(dumps)
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Path.resolve)
         raise PipelineError(f"cannot use --dump-dir '{dump_dir}': {getattr(exc, 'strerror', None) or exc}") from None
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from pathlib import Path
+from typing import IO
 
 from fxllm.compiler.program import Program
 from fxllm.errors import PipelineError
@@ -85,28 +87,60 @@ DUMP_FILE = re.compile(r"^(\d{2,}_[\w.-]+|summary)\.(txt|json)$")  # what DumpWr
 DUMP_MARKER = ".fxllm-dump"  # in every dump directory: what tells a previous dump from the user's look-alike files
 
 
+MARKER_TEXT = "fxllm compile --dump-dir writes here; a dump into this directory replaces its files\n"
+
+
 def mark_as_dump(directory: Path) -> None:
-    marker = directory / DUMP_MARKER
-    if not marker.is_file():
-        marker.write_text("fxllm compile --dump-dir writes here; a dump into this directory replaces its files\n")
+    """Write the marker unless it is there; never through a symlink (a dangling one would create its target)."""
+    try:
+        descriptor = os.open(directory / DUMP_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    except FileExistsError:
+        return
+    with os.fdopen(descriptor, "w") as marker:
+        marker.write(MARKER_TEXT)
 
 
-def clear_previous_dump(directory: Path) -> None:
+def clear_previous_dump(directory: Path) -> IO[bytes]:
     """Make `directory` ready for a new dump: the files of a previous dump (it holds DUMP_MARKER) go; a directory
-    holding anything else, or files named like a dump's without the marker (the user's summary.txt), is refused
-    (PipelineError), so a dump never overwrites or mixes with files of the user's."""
+    holding anything else, or files named like a dump's without the marker (the user's summary.txt), or a marker
+    that is not a plain file, is refused (PipelineError), so a dump never overwrites or mixes with files of the
+    user's. Returns the marker, open and locked (flock) for this compile: another compile into the same directory
+    is refused while it is held (two at once left one's summary beside the other's pass files); closing it, or the
+    process ending, lets it go."""
+    marker = directory / DUMP_MARKER
+    if marker.is_symlink() or (marker.exists() and not marker.is_file()):
+        raise PipelineError(f"--dump-dir '{directory}' holds a {DUMP_MARKER} that is not a plain file; name a new or "
+                            "empty directory, or a previous dump's")
     entries = sorted(entry for entry in directory.iterdir() if entry.name != DUMP_MARKER)
     foreign = [entry.name for entry in entries if not (DUMP_FILE.match(entry.name) and entry.is_file())]
     if foreign:
         raise PipelineError(f"--dump-dir '{directory}' holds files that are not an fxllm dump (e.g. '{foreign[0]}'); "
                             "name a new or empty directory, or a previous dump's")
-    if entries and not (directory / DUMP_MARKER).is_file():
+    if entries and not marker.is_file():
         raise PipelineError(f"--dump-dir '{directory}' holds files named like a dump's (e.g. '{entries[0].name}') "
                             f"but not the {DUMP_MARKER} file an fxllm dump leaves; name a new or empty directory, or "
                             "a previous dump's")
+    lock = _locked_marker(directory)
     for entry in entries:
         entry.unlink()
-    mark_as_dump(directory)
+    return lock
+
+
+def _locked_marker(directory: Path) -> IO[bytes]:
+    import fcntl
+
+    descriptor = os.open(directory / DUMP_MARKER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    marker = os.fdopen(descriptor, "r+b")
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        marker.close()
+        raise PipelineError(f"--dump-dir '{directory}' is being written by another compile; wait for it to finish, "
+                            "or name another directory") from None
+    if not marker.read(1):
+        marker.write(MARKER_TEXT.encode())
+        marker.flush()
+    return marker
 
 
 def layer_table(layers: list[dict]) -> str:

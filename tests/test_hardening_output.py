@@ -291,6 +291,35 @@ def test_a_previous_dump_is_replaced_whole(make_tiny_model, tmp_path):
     assert not any(name.startswith("02_") for name in second) and "summary.txt" in second  # no stale pass files
 
 
+def test_a_dump_directory_another_compile_writes_is_refused(capsys, tmp_path, broken_model):
+    """Two compiles into one --dump-dir both exited 0 and left one's summary beside the other's pass files: the
+    first holds the directory's marker locked, and the second is refused in one line before loading anything."""
+    from fxllm.compiler.dump import clear_previous_dump
+
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    held = clear_previous_dump(dumps)  # what a running compile holds
+    try:
+        code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(tmp_path / "out"), "--dump-dir",
+                               str(dumps))
+    finally:
+        held.close()
+    assert_one_line_error(code, err, "is being written by another compile")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dump_marker_that_is_a_symlink_is_refused(capsys, tmp_path, broken_model):
+    """A dangling .fxllm-dump symlink was followed: the marker was written as its target, outside the directory."""
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    target = tmp_path / "elsewhere" / "victim"
+    target.parent.mkdir()
+    (dumps / ".fxllm-dump").symlink_to(target)
+    code, _, err = run_cli(capsys, "compile", str(broken_model), "-o", str(tmp_path / "out"), "--dump-dir", str(dumps))
+    assert_one_line_error(code, err, "holds a .fxllm-dump that is not a plain file")
+    assert not target.exists() and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("where", ["output", "dumps"])
 def test_paths_that_cannot_be_used_are_user_errors(capsys, tmp_path, broken_model, where):
     """A symlink loop, or a directory under a file: exit status 1 with one line, not an internal error."""
