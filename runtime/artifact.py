@@ -26,7 +26,7 @@ from typing import Any
 from fxllm.errors import ArtifactError
 from fxllm.runtime.contract import ARTIFACT_KIND, FORMAT_VERSION, MANIFEST_FILE
 from fxllm.runtime.interruption import held_back, interruptible
-from fxllm.runtime.write_leftovers import RETIRED, STAGING, owned_prefix
+from fxllm.runtime.write_leftovers import RETIRED, STAGING, hold, owned_prefix, release
 
 _MAX_MANIFEST_BYTES = 16 << 20  # a manifest is kilobytes; a bigger "manifest.json" is somebody else's file
 
@@ -129,11 +129,12 @@ def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
     if blocker is not None:
         raise ArtifactError(f"cannot write the output directory '{output}': '{blocker}' is not a directory")
     with interruptible():
-        staging = None
+        staging = lock = None
         created = [parent for parent in output.parents if not parent.exists()]  # deepest first
         try:
             with held_back():  # a signal now is raised once `staging` is set, inside this try: it gets cleaned
                 staging = _create_staging(output)
+                lock = hold(staging)  # a compile in another PID namespace must not take it for a dead one's
             yield staging
             for file in staging.rglob("*"):  # some writers (onnx external data) create files 0600
                 if file.is_file():
@@ -155,6 +156,8 @@ def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
                                     f"{_free_space(output.parent)} free there now, with the partial artifact "
                                     "removed") from exc
             raise
+        finally:
+            release(lock)
 
 
 def _remove_empty(directories: list[Path]) -> None:
@@ -203,6 +206,14 @@ def _swap_into_place(staging: Path, output: Path) -> None:
         return
     # Move the old artifact aside first, so at every instant `output` is either old or new, never half.
     retired = Path(tempfile.mkdtemp(prefix=owned_prefix(output, RETIRED), dir=output.parent))
+    lock = hold(retired)
+    try:
+        _retire_and_replace(staging, output, retired)
+    finally:
+        release(lock)
+
+
+def _retire_and_replace(staging: Path, output: Path, retired: Path) -> None:
     os.replace(output, retired / "artifact")
     try:
         os.replace(staging, output)

@@ -8,7 +8,9 @@ in a hidden "retired" directory and nothing at the output.
 
 So both directories are named after the process that made them: `.{output}.{role}-{host}-{pid}-{start}.{random}`,
 where host is a short hash of the host name and start the process's start time (Linux's /proc; 0 elsewhere), which
-tells a dead writer from a live one even when its pid has been reused. Before it writes, a compile calls
+tells a dead writer from a live one even when its pid has been reused; and the writer holds each directory locked
+(flock) while it lives, since pids repeat across PID namespaces (containers sharing a volume and a host name: a
+compile took another's staging directory for a dead one's and removed it mid-write). Before it writes, a compile calls
 `remove_leftovers(output)`: each leftover of a writer on this host that is no longer running is cleaned up — a
 staging directory removed, a retired directory moved back to the output when the output is missing (the swap never
 finished: the previous artifact comes back) and removed otherwise. Directories of live writers, of other hosts (a
@@ -72,7 +74,7 @@ def remove_leftovers(output: str | os.PathLike) -> list[str]:
         if match is None or not entry.is_dir() or entry.is_symlink():
             continue
         role, host, pid, start = match.group(1), match.group(2), int(match.group(3)), int(match.group(4))
-        if host != _host_tag() or _running(pid, start):
+        if host != _host_tag() or _running(pid, start) or _held(entry):
             continue
         previous = entry / "artifact"
         if role == RETIRED and previous.is_dir() and not os.path.lexists(output):
@@ -89,6 +91,47 @@ def remove_leftovers(output: str | os.PathLike) -> list[str]:
             what = "staging directory" if role == STAGING else "retired copy of an artifact"
             done.append(f"removed '{entry.name}', the {what} of a compile that was killed (pid {pid})")
     return done
+
+
+def hold(directory: Path) -> int | None:
+    """Lock a directory this process writes (flock on it, until the returned descriptor is closed), so that
+    remove_leftovers elsewhere never takes it for a dead writer's; None where the file system cannot lock it."""
+    import fcntl
+
+    try:
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        return None
+    return descriptor
+
+
+def release(descriptor: int | None) -> None:
+    if descriptor is not None:
+        os.close(descriptor)
+
+
+def _held(directory: Path) -> bool:
+    """Whether a live writer holds the directory locked (hold)."""
+    import fcntl
+
+    try:
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(descriptor)
+    return False
 
 
 def _host_tag() -> str:

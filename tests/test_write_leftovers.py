@@ -75,6 +75,30 @@ def test_a_live_writer_s_staging_directory_is_kept(tmp_path):
     assert hidden_entries(tmp_path) == []
 
 
+def test_a_live_writer_whose_pid_reads_as_dead_here_is_kept(tmp_path):
+    """Pids repeat across PID namespaces: a compile in a container sharing the volume and the host name named its
+    staging directory after its pid 1, and a compile here took it for a dead writer's and removed it mid-write (the
+    first then failed with an internal error). The writer holds its directories locked; a held one is kept. Here the
+    writer names its directory after a pid that has exited, as the other namespace's pid reads here."""
+    output = tmp_path / "out"
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                            text=True).stdout.strip()
+    code = ("import os, sys, time\nos.getpid = lambda: int(sys.argv[2])\n"
+            "from fxllm.runtime.artifact import staging_directory\n"
+            "with staging_directory(sys.argv[1]):\n    print('in', flush=True)\n    time.sleep(60)\n")
+    writer = subprocess.Popen([sys.executable, "-c", code, str(output), exited], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "in"
+        [left] = hidden_entries(tmp_path)
+        assert f"-{exited}-0." in left  # to the name alone it is a dead writer's
+        assert remove_leftovers(output) == []
+        assert hidden_entries(tmp_path) == [left]
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    assert len(remove_leftovers(output)) == 1 and hidden_entries(tmp_path) == []  # killed: the lock went with it
+
+
 def test_a_swap_killed_between_its_renames_gets_the_previous_artifact_back(artifact_copy):
     before = snapshot(artifact_copy)
     code = """
