@@ -149,6 +149,9 @@ def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
             _remove_empty(created)
+            if isinstance(exc, FileNotFoundError) and staging is not None and not staging.exists():
+                raise ArtifactError(f"the staging directory '{staging}' of '{output}' was removed while the compile "
+                                    "wrote into it (by another process?); nothing was replaced") from exc
             if isinstance(exc, OSError) and exc.errno is None and staging is not None:
                 # a writer that lost the errno: numpy's tofile (under the ONNX export) reports a full disk as
                 # "problem writing element N to file"; the space it had taken is freed again by now

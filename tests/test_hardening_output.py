@@ -471,6 +471,16 @@ def test_a_signal_during_the_swap_does_not_call_a_finished_compile_interrupted(a
     assert "note: SIGINT came as" in capsys.readouterr().err
 
 
+def test_a_staging_directory_removed_by_someone_else_is_one_line(artifact_copy):
+    """`rm -rf` of the staging directory (or its parent) mid-compile ended in 'internal error: FileNotFoundError'."""
+    before = snapshot(artifact_copy)
+    with pytest.raises(ArtifactError, match="was removed while the compile wrote into it"):
+        with staging_directory(artifact_copy) as stage:
+            shutil.rmtree(stage)
+            (stage / "model.onnx").write_bytes(b"new")
+    assert snapshot(artifact_copy) == before and hidden_entries(artifact_copy.parent) == []
+
+
 def test_a_file_put_into_the_old_artifact_at_the_swap_is_kept(artifact_copy, monkeypatch, capsys):
     """A file the user put into the output after the last check and before the swap went with the old artifact
     (removed whole). The old artifact's directory is now checked again once aside: holding such a file it is kept,
