@@ -139,6 +139,26 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
+def _check_reference(reference: str | os.PathLike) -> None:
+    """A reference that names no artifact or model source is refused before the model loads (a source model takes
+    15-20 s), in words that name --reference: its errors read as the model's."""
+    from fxllm.errors import ArtifactError, ModelSourceError
+
+    if not str(reference).strip():  # as a path, '' would be the working directory
+        raise EvaluationError("--reference is empty; give an artifact or a model (a path or a built-in name)")
+    try:
+        if (Path(reference) / MANIFEST_FILE).is_file():
+            from fxllm.runtime.manifest import load_manifest
+
+            load_manifest(reference, verify=False)
+        else:
+            from fxllm.compiler.sources import resolve_source
+
+            resolve_source(reference)
+    except (ArtifactError, ModelSourceError) as exc:
+        raise type(exc)(f"--reference: {exc}") from None
+
+
 def evaluate(model: str | os.PathLike | Scorer, text_path: str | os.PathLike, ctx: int | None = None,
              max_tokens: int | None = None, reference: str | None = None,
              int8_activations: bool | None = None) -> EvalReport:
@@ -152,6 +172,8 @@ def evaluate(model: str | os.PathLike | Scorer, text_path: str | os.PathLike, ct
     if max_tokens is not None:
         max_tokens = _checked("--max-tokens", "max_tokens", max_tokens)
     text = read_text(text_path)
+    if reference is not None:
+        _check_reference(reference)
     scorer = model if isinstance(model, Scorer) else Scorer(model, int8_activations)
     ref = Scorer(reference) if reference is not None else None  # '' is refused as a path, not dropped
     ctx = _window_length(ctx, scorer, ref)

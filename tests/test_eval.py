@@ -60,6 +60,21 @@ def test_bad_eval_arguments(make_tiny_artifact, tmp_path):
         evaluate(artifact, tmp_path / "empty.txt", ctx=128)
 
 
+def test_a_bad_reference_is_named_before_the_model_loads(make_tiny_artifact, tmp_path, monkeypatch):
+    """A reference path that names nothing was refused as 'model path ... does not exist' (read as the model's
+    fault), and only after the model had loaded (15-20 s for a source model)."""
+    import fxllm.evaluation as evaluation_module
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model loaded before the reference was checked")
+
+    monkeypatch.setattr(evaluation_module, "Scorer", loads)
+    for reference, message in ((tmp_path / "missing", r"^--reference: model path '.*missing' does not exist"),
+                               ("", "^--reference is empty"), (tmp_path, r"^--reference: '.*' holds no model")):
+        with pytest.raises(FxllmError, match=message):
+            evaluate(str(make_tiny_artifact("llama")), TEXT, reference=str(reference))
+
+
 def test_the_window_fits_the_model_and_the_reference(make_tiny_artifact, tokenizer, tmp_path):
     """The default window (512) is shortened to a shorter context: `fxllm eval` of a 256-position model without
     --ctx was refused for a flag it was not given. A window longer than the reference's context is refused up front
