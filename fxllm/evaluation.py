@@ -2,13 +2,17 @@
 
 Method: tokenize the whole text (no special tokens added beyond what the tokenizer adds by default), keep the first
 `max_tokens`, cut into windows of `ctx` tokens; each window is scored independently, every token but the first of a
-window is predicted from its window prefix. Perplexity = exp(total NLL / predicted tokens).
+window is predicted from its window prefix. Perplexity = exp(total NLL / predicted tokens). A text longer than
+WHOLE_TEXT_CHARS with `max_tokens` given is tokenized by growing heads instead, until one holds LEAD_MARGIN tokens
+more than are kept: the kept ones are then the whole text's (tokenizers split text into words before merging, so a
+cut far past them cannot change them), and a 1 GB text costs what its head does.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +24,9 @@ from fxllm.runtime.checks import integer, short
 from fxllm.runtime.contract import MANIFEST_FILE
 
 DEFAULT_CTX = 512  # window length when none is given (shortened to a model's shorter context)
+WHOLE_TEXT_CHARS = 4_000_000  # a text up to this long is tokenized whole (britannica: 0.3 M characters)
+LEAD_MARGIN = 256  # tokens a head must hold past the kept ones: its cut never reaches them
+HEAD_CHARS_PER_TOKEN = 8  # a head's first length, per token wanted; doubled while it holds too few
 
 
 class Scorer:
@@ -139,6 +146,20 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
+def leading_ids(encode: Callable[[str], list[int]], text: str, count: int | None) -> list[int]:
+    """The first `count` token ids of the text (None: all of them), as encoding it whole gives them; see the module
+    docstring for a long text."""
+    if count is None or len(text) <= WHOLE_TEXT_CHARS:
+        return encode(text)[:count]
+    chars = (count + LEAD_MARGIN) * HEAD_CHARS_PER_TOKEN
+    while chars < len(text):
+        ids = encode(text[:chars])
+        if len(ids) >= count + LEAD_MARGIN:
+            return ids[:count]
+        chars *= 2
+    return encode(text)[:count]
+
+
 def _check_reference(reference: str | os.PathLike) -> None:
     """A reference that names no artifact or model source is refused before the model loads (a source model takes
     15-20 s), in words that name --reference: its errors read as the model's."""
@@ -177,12 +198,10 @@ def evaluate(model: str | os.PathLike | Scorer, text_path: str | os.PathLike, ct
     scorer = model if isinstance(model, Scorer) else Scorer(model, int8_activations)
     ref = Scorer(reference) if reference is not None else None  # '' is refused as a path, not dropped
     ctx = _window_length(ctx, scorer, ref)
-    ids = scorer.tokenizer.encode(text)
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
+    ids = leading_ids(scorer.tokenizer.encode, text, max_tokens)
     if len(ids) < 2:
         raise EvaluationError(f"'{text_path}' has fewer than 2 tokens; nothing to score")
-    if ref is not None and ref.tokenizer.encode(text)[: len(ids)] != ids:
+    if ref is not None and leading_ids(ref.tokenizer.encode, text, len(ids)) != ids:
         raise FxllmError("the reference tokenizes the text differently; KL and agreement need identical tokens")
     for role, which in (("the model", scorer), ("the reference", ref)):
         vocab_size = getattr(which, "vocab_size", None)  # a Scorer subclass scoring another runtime may not say

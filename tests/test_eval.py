@@ -75,6 +75,28 @@ def test_a_bad_reference_is_named_before_the_model_loads(make_tiny_artifact, tmp
             evaluate(str(make_tiny_artifact("llama")), TEXT, reference=str(reference))
 
 
+def test_a_long_text_with_max_tokens_is_tokenized_by_its_head(tokenizer, monkeypatch):
+    """An 8.7 MB text scored for 1,000 tokens was tokenized whole (1.4 GB; a 1 GB text would need ~140 GB): past
+    WHOLE_TEXT_CHARS only growing heads are, and the kept ids are the whole text's."""
+    import fxllm.evaluation as evaluation_module
+    from fxllm.evaluation import leading_ids
+
+    monkeypatch.setattr(evaluation_module, "WHOLE_TEXT_CHARS", 10_000)
+    text = "\n\n".join(pydoc_data.topics.topics.values())
+    seen: list[int] = []
+
+    def encode(piece: str) -> list[int]:
+        seen.append(len(piece))
+        return tokenizer.encode(piece)
+
+    whole = tokenizer.encode(text)
+    for count in (1, 300, 1_000):
+        seen.clear()
+        assert leading_ids(encode, text, count) == whole[:count]
+        assert max(seen) < len(text) / 4, seen
+    assert leading_ids(encode, text, None) == whole
+
+
 def test_the_window_fits_the_model_and_the_reference(make_tiny_artifact, tokenizer, tmp_path):
     """The default window (512) is shortened to a shorter context: `fxllm eval` of a 256-position model without
     --ctx was refused for a flag it was not given. A window longer than the reference's context is refused up front
