@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -111,11 +112,11 @@ def compile_model(
     kv_cache_calib = _check_kv_cache_dtype(kv_cache_dtype, kv_cache_calib, target, provided, ort_steps)
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
+    check_supported(source)
     if draft_source is not None:
         check_draft_source(source, draft_source, draft_spec)
-    check_supported(source)
     resolved_output = check_output(output)
-    dump_lock = _check_dump_dir(dump_dir, resolved_output)  # held until this compile returns
+    dump_lock = _check_dump_dir(dump_dir, resolved_output)  # held (closed) by the with-block below
     report = CompileReport(Path(output))
 
     def timed(phase: str, message: str, function, *args, **kwargs):
@@ -127,7 +128,9 @@ def compile_model(
 
     for cleaned in remove_leftovers(resolved_output):  # what SIGKILLed compiles to this output left behind
         print(f"fxllm: note: {cleaned}", file=sys.stderr)
-    with staging_directory(output) as stage:  # also turns SIGINT/SIGTERM/SIGHUP into a clean Interrupted
+    late_signals: list[int] = []
+    with dump_lock or nullcontext(), \
+            staging_directory(output, late_signals) as stage:  # also turns SIGINT/SIGTERM/SIGHUP into Interrupted
         torch_model = timed("load", f"loading {source.name}", load_model, source)
         tokenizer = load_tokenizer(source)
         for warning in (_tokenizer_beyond_vocabulary(tokenizer, torch_model),
@@ -223,10 +226,8 @@ def compile_model(
             report.kv_cache = {"dtype": "int8", "calibration": kv_calibrated, "drift": drift.to_dict()}
             manifest["lowering"] = manifest["lowering"] | {"kv_cache": report.kv_cache}
             write_manifest(stage, manifest)
-    if target == "tensorrt":
+    if target == "tensorrt" and not late_signals:  # a signal came as the artifact was put in place: stop here
         _try_engine_build(report)
-    if dump_lock is not None:
-        dump_lock.close()
     return report
 
 

@@ -121,8 +121,12 @@ def clear_previous_dump(directory: Path) -> IO[bytes]:
                             f"but not the {DUMP_MARKER} file an fxllm dump leaves; name a new or empty directory, or "
                             "a previous dump's")
     lock = _locked_marker(directory)
-    for entry in entries:
-        entry.unlink()
+    try:
+        for entry in entries:
+            entry.unlink()
+    except BaseException:
+        lock.close()
+        raise
     return lock
 
 

@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     _activation_flags(p)
     _speculative_flags(p)
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)")
+                   help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30; "
+                        "on Ray, the ingress's wait and then Serve's drain each take up to this)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request's line and headers, and then its body, may take to arrive before the "
                         "request gets 408 (default 30)")
@@ -437,7 +438,8 @@ def cmd_serve(args) -> int:
     return serve(options, **engine_options)
 
 
-WITHOUT_STDOUT = ("compile", "serve")  # their work is an artifact or a server: they run with stdout closed
+WITHOUT_STDOUT = ("compile", "serve")  # their work is an artifact or a server: they run with stdout closed (a
+# compile then says, once its artifact is written, that its report could not be printed, as on a full disk)
 COMMANDS = {"compile": cmd_compile, "generate": cmd_generate, "inspect": cmd_inspect, "eval": cmd_eval,
             "passes": cmd_passes, "build-engine": cmd_build_engine, "serve": cmd_serve}
 

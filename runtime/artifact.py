@@ -118,12 +118,13 @@ def _raise(error: OSError) -> None:
 
 
 @contextmanager
-def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
+def staging_directory(output: str | os.PathLike, late_signals: list[int] | None = None) -> Iterator[Path]:
     """Yield a new, hidden temporary directory next to `output`; when the block succeeds it replaces `output`,
     when it fails or is interrupted (SIGINT, SIGTERM, SIGHUP: runtime/interruption.py) it vanishes, with the parent
     directories made for it, and `output` is left as it was. `output` is checked (check_output) on entry and again
     just before the swap; the staging directory is created on entry, so an unwritable location fails before any
-    work."""
+    work. A signal that comes during the swap is not an interruption (the work is done): it is a note, and appended
+    to `late_signals` for the caller to end what would follow."""
     output = check_output(output)
     blocker = next((p for p in reversed(output.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
@@ -143,13 +144,16 @@ def staging_directory(output: str | os.PathLike) -> Iterator[Path]:
             with held_back(raise_after=False) as held:  # never between the two renames; done once they are
                 _swap_into_place(staging, output)
             if held.signum is not None:
+                if late_signals is not None:
+                    late_signals.append(held.signum)
                 print(f"fxllm: note: {signal.Signals(held.signum).name} came as '{output}' was put in place; the "
                       "compile had finished and the new artifact is whole", file=sys.stderr)
         except BaseException as exc:
+            vanished = staging is not None and not staging.exists()  # before the cleanup below removes it
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
             _remove_empty(created)
-            if isinstance(exc, FileNotFoundError) and staging is not None and not staging.exists():
+            if isinstance(exc, FileNotFoundError) and vanished and _inside(exc.filename, staging):
                 raise ArtifactError(f"the staging directory '{staging}' of '{output}' was removed while the compile "
                                     "wrote into it (by another process?); nothing was replaced") from exc
             if isinstance(exc, OSError) and exc.errno is None and staging is not None:
@@ -224,14 +228,31 @@ def _retire_and_replace(staging: Path, output: Path, retired: Path) -> None:
         os.replace(retired / "artifact", output)
         shutil.rmtree(retired, ignore_errors=True)
         raise
-    old = _existing_manifest(retired / "artifact")
-    late = _unowned_entries(retired / "artifact", old) if old is not None else ["manifest.json"]
+    try:  # the swap is done: whatever this finds or fails, the new artifact is in place
+        old = _existing_manifest(retired / "artifact")
+        late = (_unowned_entries(retired / "artifact", old) if old is not None
+                else sorted(os.listdir(retired / "artifact")))  # an empty directory was the output: nothing to keep
+    except OSError:
+        late = ["(unreadable)"]
     if late:  # put there after the last check_output: the user's, so the old artifact is kept, in plain sight
         kept = _unused_name(output.with_name(f"{output.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
-        os.replace(retired / "artifact", kept)
+        try:
+            os.replace(retired / "artifact", kept)
+        except OSError:
+            kept = retired / "artifact"
         print(f"fxllm: note: the replaced artifact held '{late[0]}'{' and more' if len(late) > 1 else ''}, which "
               f"it does not own (put there as the compile finished); it is kept as '{kept}'", file=sys.stderr)
+        if kept.parent == retired:
+            return
     shutil.rmtree(retired, ignore_errors=True)
+
+
+def _inside(filename: str | bytes | None, directory: Path) -> bool:
+    """Whether an error's file name lies in `directory` (None: the error named none)."""
+    if filename is None:
+        return False
+    path = Path(os.fsdecode(filename))
+    return path == directory or directory in path.parents
 
 
 def _unused_name(path: Path) -> Path:

@@ -135,13 +135,17 @@ class Engine:
             if _directory_identity(path) == identity:
                 return cls(manifest.directory, manifest, runner, tokenizer, kv_cache_memory, kv_blocks, max_batch,
                            max_tokens_per_step, prefix_caching, draft_plan)
+            manifest = runner = tokenizer = draft_plan = None  # let the stale model go before the next one loads
         raise ArtifactError(f"'{path}' was replaced {LOAD_ATTEMPTS} times while it loaded (is a compile writing it "
                             "again and again?); load it once that is done")
 
     @classmethod
-    def _read_artifact(cls, path, threads, providers, verify, backend, kv_blocks, int8_activations, speculative,
-                       spec_k, spin, device, torch_compile, unrolled_draft, huge_pages):
-        """load's reading of the artifact's files: (manifest, model runner's backend, tokenizer, draft plan)."""
+    def _read_artifact(cls, path: str | os.PathLike, threads: int | None, providers: list[str] | None, verify: bool,
+                       backend: str, kv_blocks: int | None, int8_activations: bool | None, speculative: bool | str,
+                       spec_k: int | None, spin: bool, device: str, torch_compile: bool,
+                       unrolled_draft: bool | None, huge_pages: bool) -> tuple[Manifest, Backend, object, tuple | None]:
+        """load's reading of the artifact's files, its arguments as load's: (manifest, the model's backend,
+        tokenizer, draft plan: None, or (mode, k, draft model or None))."""
         manifest = load_manifest(path, verify=verify)
         if kv_blocks is not None and not manifest.io.paged:  # refused, not ignored: the user meant to size a pool
             raise InvalidArgumentError("kv_blocks", f"kv_blocks applies to paged artifacts; '{path}' has a contiguous "

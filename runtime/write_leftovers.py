@@ -103,7 +103,7 @@ def hold(directory: Path) -> int | None:
     except OSError:
         return None
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(descriptor, fcntl.LOCK_EX)  # blocking: a cleanup's probe (_held) holds it for an instant
     except OSError:
         os.close(descriptor)
         return None
@@ -111,6 +111,7 @@ def hold(directory: Path) -> int | None:
 
 
 def release(descriptor: int | None) -> None:
+    """Let go of what hold() locked (None: nothing was)."""
     if descriptor is not None:
         os.close(descriptor)
 

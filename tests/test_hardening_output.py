@@ -471,14 +471,45 @@ def test_a_signal_during_the_swap_does_not_call_a_finished_compile_interrupted(a
     assert "note: SIGINT came as" in capsys.readouterr().err
 
 
-def test_a_staging_directory_removed_by_someone_else_is_one_line(artifact_copy):
-    """`rm -rf` of the staging directory (or its parent) mid-compile ended in 'internal error: FileNotFoundError'."""
+def test_a_staging_directory_removed_by_someone_else_is_one_line(artifact_copy, tmp_path):
+    """`rm -rf` of the staging directory (or its parent) mid-compile ended in 'internal error: FileNotFoundError'.
+    A missing file elsewhere stays what it is."""
     before = snapshot(artifact_copy)
     with pytest.raises(ArtifactError, match="was removed while the compile wrote into it"):
         with staging_directory(artifact_copy) as stage:
             shutil.rmtree(stage)
             (stage / "model.onnx").write_bytes(b"new")
     assert snapshot(artifact_copy) == before and hidden_entries(artifact_copy.parent) == []
+    with pytest.raises(FileNotFoundError):
+        with staging_directory(artifact_copy):
+            (tmp_path / "not-there.txt").read_bytes()
+    assert snapshot(artifact_copy) == before and hidden_entries(artifact_copy.parent) == []
+
+
+def test_an_empty_directory_as_the_output_leaves_nothing_beside_it(tmp_path):
+    """The swap's check of the replaced directory took an empty one (a valid output) for one holding files."""
+    output = tmp_path / "out"
+    output.mkdir()
+    with staging_directory(output) as stage:
+        (stage / "model.onnx").write_bytes(b"new")
+        write_manifest(stage, {"fxllm_version": "test"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_failed_compile_lets_its_dump_directory_go(tmp_path, broken_model):
+    """The dump directory's lock was closed only when a compile returned: a failed one, its traceback kept (as an
+    `except ... as error` does), made the next compile into the same directory 'being written by another compile'."""
+    import fxllm
+
+    dumps = tmp_path / "dumps"
+    try:
+        fxllm.compile(broken_model, tmp_path / "a", dump_dir=dumps)
+    except Exception as error:  # noqa: BLE001 - kept alive, as a caller's handler keeps it
+        kept = error
+    assert "being written by another compile" not in str(kept)
+    with pytest.raises(Exception) as second:
+        fxllm.compile(broken_model, tmp_path / "b", dump_dir=dumps)
+    assert "being written by another compile" not in str(second.value)
 
 
 def test_a_file_put_into_the_old_artifact_at_the_swap_is_kept(artifact_copy, monkeypatch, capsys):

@@ -54,8 +54,9 @@ def calibration_windows(tokenizer, calibration: str, max_positions: int) -> tupl
     try:
         windows = spread_windows(tokenizer, text, SAMPLES, window, window)
     except TooFewTokens as short:
-        raise PipelineError(f"kv-cache int8: the calibration text '{source}' has {short.tokens} token"
-                            f"{'s' if short.tokens != 1 else ''}; calibrating the cache needs at least {window}") from None
+        plural = "s" if short.tokens != 1 else ""
+        raise PipelineError(f"kv-cache int8: the calibration text '{source}' has {short.tokens} token{plural}; "
+                            f"calibrating the cache needs at least {window}") from None
     return torch.tensor(windows, dtype=torch.long), f"{source}, {SAMPLES} windows of {window} tokens"
 
 

@@ -135,6 +135,7 @@ def _draining_server(service, config, drain_timeout: float):
             if self.should_exit and sig == signal.SIGINT and not self._aborted_at_once and self.loop is not None:
                 # uvicorn's force exit would cancel the handlers: tracebacks, a plain-text 500, streams cut short
                 self._aborted_at_once = True
+                self._captured_signals.append(sig)  # uvicorn raises it again once stopped: Ctrl-C exits 130
                 logger.warning("Ctrl-C again: aborting the running requests now (once more forces the exit)")
                 self.loop.call_soon_threadsafe(self._abort)
                 return

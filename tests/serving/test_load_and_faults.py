@@ -303,13 +303,15 @@ def running_requests_answered_at_shutdown(process: ServerProcess, signals: tuple
     assert time.monotonic() - start < 10
 
 
-def test_a_second_ctrl_c_aborts_the_running_requests_at_once(serve_artifact, tmp_path):
+@pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_ctrl_c_aborts_the_running_requests_at_once(serve_artifact, tmp_path, first):
     """A second Ctrl-C during the drain was uvicorn's force exit: it cancelled the handlers, so the log held an
     'Exception in ASGI application' traceback per request, a queued non-streamed client got a plain-text 500 and a
     running stream was cut without an error event. Now it aborts the running requests at once: the OpenAI error
-    (503, an error event and [DONE]), no traceback, exit 130 within seconds (the drain would take 30)."""
+    (503, an error event and [DONE]), no traceback, exit 130 within seconds (the drain would take 30), after a
+    SIGTERM's drain too."""
     with one_at_a_time_server(serve_artifact, tmp_path) as process:
-        running_requests_answered_at_shutdown(process, (signal.SIGINT, signal.SIGINT), exit_code=130)
+        running_requests_answered_at_shutdown(process, (first, signal.SIGINT), exit_code=130)
     log = (tmp_path / "stderr.log").read_text()
     assert "Traceback" not in log and "Ctrl-C again: aborting the running requests now" in log, log[-2000:]
 

@@ -90,8 +90,8 @@ def test_bad_ray_options_are_one_line(long_context_artifact, options, expected):
 
 
 @pytest.mark.parametrize("options, expected", [
-    (("--replicas", "64"), "64 engine replicas × --replica-cpus 1 = 64 CPU, but this machine's Ray cluster has"),
-    (("--replica-gpus", "64"), "1 engine replica × --replica-gpus 64 = 64 GPU, but this machine's Ray cluster has"),
+    (("--replicas", "64"), "64 engine replicas x --replica-cpus 1 = 64 CPU, but this machine's Ray cluster has"),
+    (("--replica-gpus", "64"), "1 engine replica x --replica-gpus 64 = 64 GPU, but this machine's Ray cluster has"),
 ])
 def test_replicas_the_local_cluster_cannot_place_are_one_line(long_context_artifact, options, expected):
     """Serve waits without a deadline for a replica it cannot place, and `fxllm serve --ray` waited with it: no

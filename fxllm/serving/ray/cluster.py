@@ -159,7 +159,7 @@ def check_room(options: RayServeOptions) -> None:
         have = total.get(resource, 0.0)
         if replicas * each > have + 1e-9:
             count = "--replicas" if options.autoscale is None else "the --autoscale minimum"
-            raise FxllmError(f"{replicas} engine replica{'s' if replicas != 1 else ''} × {flag} {each:g} = "
+            raise FxllmError(f"{replicas} engine replica{'s' if replicas != 1 else ''} x {flag} {each:g} = "
                              f"{replicas * each:g} {resource}, but this machine's Ray cluster has {have:g} (lower "
                              f"{flag} or {count}, or join a larger cluster with --ray-address)")
 

@@ -162,6 +162,7 @@ class Ingress:
         return self.remote.running
 
     def running(self) -> int:
+        """How many requests are still running (begin_drain's count, now)."""
         return self.remote.running
 
     def __serve_build_asgi_app__(self):
