@@ -166,7 +166,8 @@ def _check_reference(reference: str | os.PathLike) -> None:
     from fxllm.errors import ArtifactError, ModelSourceError
 
     if not str(reference).strip():  # as a path, '' would be the working directory
-        raise EvaluationError("--reference is empty; give an artifact or a model (a path or a built-in name)")
+        raise ModelSourceError("--reference: the model path is empty; give an artifact or a model (a path or a "
+                               "built-in name)")
     try:
         if (Path(reference) / MANIFEST_FILE).is_file():
             from fxllm.runtime.manifest import load_manifest
