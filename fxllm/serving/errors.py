@@ -154,6 +154,11 @@ def not_an_object(content_type: str | None, body) -> APIError:
     return APIError(422, f"the request body must be a JSON object, not {kind}")
 
 
+def not_accepting() -> APIError:
+    """503 for a request that arrives once the server is shutting down (fxllm serve's service, the Ray ingress)."""
+    return APIError(503, "the server is shutting down and accepts no new requests")
+
+
 MAX_SHOWN = 100  # characters of a request's header that an error repeats
 
 

@@ -20,7 +20,7 @@ from fxllm.runtime import checks
 from fxllm.runtime.async_engine import AsyncEngine
 from fxllm.runtime.request import SamplingParams
 from fxllm.runtime.request_validation import check_token_ids, check_tokenized, encode_within_context
-from fxllm.serving.errors import APIError, bad_request
+from fxllm.serving.errors import APIError, bad_request, not_accepting
 from fxllm.serving.logprobs import TokenTexts
 from fxllm.serving.metrics import ServingMetrics
 from fxllm.serving.protocol import ModelCard
@@ -120,7 +120,7 @@ class OpenAIService:
 
     def check_accepting(self) -> None:
         if not self.engine.accepting:
-            raise APIError(503, "the server is shutting down and accepts no new requests")
+            raise not_accepting()
 
     def stop_accepting(self) -> None:
         """From now on new requests get 503 and /health says "shutting down"; running requests go on."""

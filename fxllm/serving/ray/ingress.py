@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 
-from fxllm.serving.errors import APIError
+from fxllm.serving.errors import APIError, not_accepting
 from fxllm.serving.protocol import ModelCard
 from fxllm.serving.ray.engine import ReplyHead
 from fxllm.serving.service import check_model_name
@@ -80,7 +80,7 @@ class RemoteModel:
 
     async def _forward(self, route: str, request):
         if self.draining:
-            raise APIError(503, "the server is shutting down and accepts no new requests")
+            raise not_accepting()
         self.running += 1
         released = []
 
