@@ -87,9 +87,6 @@ DUMP_FILE = re.compile(r"^(\d{2,}_[\w.-]+|summary)\.(txt|json)$")  # what DumpWr
 DUMP_MARKER = ".fxllm-dump"  # in every dump directory: what tells a previous dump from the user's look-alike files
 
 
-MARKER_TEXT = "fxllm compile --dump-dir writes here; a dump into this directory replaces its files\n"
-
-
 def mark_as_dump(directory: Path) -> None:
     """Write the marker unless it is there; never through a symlink (a dangling one would create its target)."""
     try:
@@ -97,7 +94,7 @@ def mark_as_dump(directory: Path) -> None:
     except FileExistsError:
         return
     with os.fdopen(descriptor, "w") as marker:
-        marker.write(MARKER_TEXT)
+        marker.write("fxllm compile --dump-dir writes here; a dump into this directory replaces its files\n")
 
 
 def clear_previous_dump(directory: Path) -> IO[bytes]:
@@ -133,17 +130,14 @@ def clear_previous_dump(directory: Path) -> IO[bytes]:
 def _locked_marker(directory: Path) -> IO[bytes]:
     import fcntl
 
-    descriptor = os.open(directory / DUMP_MARKER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-    marker = os.fdopen(descriptor, "r+b")
+    mark_as_dump(directory)
+    marker = os.fdopen(os.open(directory / DUMP_MARKER, os.O_RDONLY | os.O_NOFOLLOW), "rb")
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(marker.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         marker.close()
         raise PipelineError(f"--dump-dir '{directory}' is being written by another compile; wait for it to finish, "
                             "or name another directory") from None
-    if not marker.read(1):
-        marker.write(MARKER_TEXT.encode())
-        marker.flush()
     return marker
 
 

@@ -96,18 +96,7 @@ def remove_leftovers(output: str | os.PathLike) -> list[str]:
 def hold(directory: Path) -> int | None:
     """Lock a directory this process writes (flock on it, until the returned descriptor is closed), so that
     remove_leftovers elsewhere never takes it for a dead writer's; None where the file system cannot lock it."""
-    import fcntl
-
-    try:
-        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)  # blocking: a cleanup's probe (_held) holds it for an instant
-    except OSError:
-        os.close(descriptor)
-        return None
-    return descriptor
+    return _locked(directory, wait=True)  # waits: a cleanup's probe (_held) holds it for an instant
 
 
 def release(descriptor: int | None) -> None:
@@ -118,21 +107,31 @@ def release(descriptor: int | None) -> None:
 
 def _held(directory: Path) -> bool:
     """Whether a live writer holds the directory locked (hold)."""
+    try:
+        release(_locked(directory, wait=False))
+    except BlockingIOError:
+        return True
+    return False
+
+
+def _locked(directory: Path, wait: bool) -> int | None:
+    """A descriptor of `directory` holding its flock; None where it cannot be opened or locked; BlockingIOError
+    when another holds it and `wait` is False."""
     import fcntl
 
     try:
         descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
-        return False
+        return None
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
         os.close(descriptor)
-    return False
+        raise
+    except OSError:
+        os.close(descriptor)
+        return None
+    return descriptor
 
 
 def _host_tag() -> str:
