@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from fxllm.datasets import WHOLE_TEXT_CHARS
 from fxllm.errors import EvaluationError, FxllmError, InvalidArgumentError
 from fxllm.progress import progress
 from fxllm.runtime.checks import integer, short
 from fxllm.runtime.contract import MANIFEST_FILE
 
 DEFAULT_CTX = 512  # window length when none is given (shortened to a model's shorter context)
-WHOLE_TEXT_CHARS = 4_000_000  # a text up to this long is tokenized whole (britannica: 0.3 M characters)
 LEAD_MARGIN = 256  # tokens a head must hold past the kept ones: its cut never reaches them
 HEAD_CHARS_PER_TOKEN = 8  # a head's first length, per token wanted; doubled while it holds too few
 

@@ -70,7 +70,8 @@ def test_a_bad_reference_is_named_before_the_model_loads(make_tiny_artifact, tmp
 
     monkeypatch.setattr(evaluation_module, "Scorer", loads)
     for reference, message in ((tmp_path / "missing", r"^--reference: model path '.*missing' does not exist"),
-                               ("", "^--reference: the model path is empty"), (tmp_path, r"^--reference: '.*' holds no model")):
+                               ("", "^--reference: the model path is empty"),
+                               (tmp_path, r"^--reference: '.*' holds no model")):
         with pytest.raises(FxllmError, match=message):
             evaluate(str(make_tiny_artifact("llama")), TEXT, reference=str(reference))
 

@@ -17,13 +17,13 @@ import torch
 
 from fxllm.compiler.interface import step_inputs
 from fxllm.compiler.program import Program
+from fxllm.datasets import WHOLE_TEXT_CHARS
 from fxllm.errors import PipelineError
 
 Node = torch.fx.Node
 Visit = Callable[[list[Node], torch.Tensor, bool], dict[Node, torch.Tensor]]  # (group, x, outputs needed)
 
 
-WHOLE_TEXT_CHARS = 4_000_000  # a text up to this long is tokenized whole (shakespeare: 0.96 M characters)
 SLICE_CHARS_PER_TOKEN = 8  # a longer text's slices: this many characters for each token a window needs, doubled
 SLICE_TRIES = 4  # ... up to this many times where a slice holds fewer tokens (then the text is tokenized whole)
 
@@ -40,7 +40,7 @@ def spread_windows(tokenizer, text: str, count: int, window: int, needed: int) -
     """`count` windows of `window` token ids at evenly spread places of the text, which must hold `needed` tokens
     (else TooFewTokens). A text of up to WHOLE_TEXT_CHARS characters is tokenized whole; a longer one only in
     `count` slices at evenly spread offsets, each window starting at its slice's second token and ending before its
-    last (either may be a cut word's), so a corpus of any size costs what its windows do: tokenizing a 56 MB text whole took 7.9 GB."""
+    last (either may be a cut word's), so a corpus of any size costs what its windows do."""
     if len(text) > WHOLE_TEXT_CHARS:
         windows = _windows_from_slices(tokenizer, text, count, window)
         if windows is not None:
