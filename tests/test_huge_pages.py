@@ -3,10 +3,13 @@ switch turns it off."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import re
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -35,6 +38,26 @@ def huge_bytes_under(array: np.ndarray) -> int:
     return huge
 
 
+def kernel_refuses_a_collapse() -> str:
+    """The errno name with which the kernel refuses to collapse a fresh 4 MiB mapping ("" where it collapses it):
+    EAGAIN or ENOMEM when it finds no free 2 MiB page, as under the memory pressure of a parallel test run."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    memory = mmap.mmap(-1, 2 * huge_pages.MIN_MAPPING, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        memory.write(b"\x01" * len(memory))
+        view = ctypes.c_char.from_buffer(memory)
+        start = ctypes.addressof(view)
+        del view  # the mapping cannot be closed while a ctypes view of it lives
+        page = -(-start // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE
+        if libc.madvise(page, huge_pages.HUGE_PAGE, huge_pages.MADV_COLLAPSE) == 0:
+            return ""
+        error = ctypes.get_errno()
+        return errno.errorcode.get(error, str(error)) if error in (errno.EAGAIN, errno.ENOMEM) else ""
+    finally:
+        memory.close()
+
+
 def fresh_small_page_memory(size: int) -> mmap.mmap:
     """A new private anonymous mapping (as ONNX Runtime's large allocations are), advised MADV_NOHUGEPAGE before its
     first touch: on 4 KiB pages once written, whatever the THP mode (`always` would give huge pages as it faults in)
@@ -57,7 +80,16 @@ def test_new_memory_is_collapsed_and_keeps_its_contents():
     np.testing.assert_array_equal(weights, expected)
     if not kernel_collapses():
         pytest.skip(f"no MADV_COLLAPSE on this kernel ({os.uname().release}) or THP off")
-    assert moved >= 18 * huge_pages.HUGE_PAGE
+    if huge_bytes_under(weights) >= 18 * huge_pages.HUGE_PAGE:
+        assert moved >= 18 * huge_pages.HUGE_PAGE
+    for _ in range(3):  # the kernel compacts memory meanwhile; a second call collapses what it could not
+        if huge_bytes_under(weights) >= 18 * huge_pages.HUGE_PAGE:
+            break
+        time.sleep(1)
+        huge_pages.collapse_new_mappings(before)
+    np.testing.assert_array_equal(weights, expected)
+    if huge_bytes_under(weights) < 18 * huge_pages.HUGE_PAGE and (refusal := kernel_refuses_a_collapse()):
+        pytest.skip(f"the kernel has no free 2 MiB pages now ({refusal}): other tests fill memory")
     assert huge_bytes_under(weights) >= 18 * huge_pages.HUGE_PAGE
 
 
