@@ -208,16 +208,23 @@ def _create_staging(output: Path) -> Path:
 
 
 def _swap_into_place(staging: Path, output: Path) -> None:
-    if not output.exists():
-        os.replace(staging, output)
-        return
-    # Move the old artifact aside first, so at every instant `output` is either old or new, never half.
-    retired = Path(tempfile.mkdtemp(prefix=owned_prefix(output, RETIRED), dir=output.parent))
-    lock = hold(retired)
+    """Put `staging` in place as `output`. Swaps into one parent directory are serialized by a flock of it: two
+    compiles to one output finishing at the same instant both saw no output and the second rename failed with
+    "Directory not empty"; now the later one replaces the earlier one's artifact."""
+    parent = hold(output.parent)
     try:
-        _retire_and_replace(staging, output, retired)
+        if not output.exists():
+            os.replace(staging, output)
+            return
+        # Move the old artifact aside first, so at every instant `output` is either old or new, never half.
+        retired = Path(tempfile.mkdtemp(prefix=owned_prefix(output, RETIRED), dir=output.parent))
+        lock = hold(retired)
+        try:
+            _retire_and_replace(staging, output, retired)
+        finally:
+            release(lock)
     finally:
-        release(lock)
+        release(parent)
 
 
 def _retire_and_replace(staging: Path, output: Path, retired: Path) -> None:

@@ -538,6 +538,53 @@ def test_a_file_put_into_the_old_artifact_at_the_swap_is_kept(artifact_copy, mon
     assert f"it is kept as '{kept[0]}'" in capsys.readouterr().err
 
 
+def test_two_compiles_finishing_at_the_same_instant_take_turns_at_the_swap(tmp_path, monkeypatch):
+    """Two compiles to one output that both found no output there: the later rename failed with "Directory not
+    empty" (an internal error, ~1 in 1,260 tries of two racing compiles). Swaps into one directory take turns (a
+    flock of it): the second waits for the first, then replaces its artifact as it would any earlier one."""
+    import fxllm.runtime.artifact as artifact_module
+
+    output = tmp_path / "artifact"
+    stages = {}
+    for name in ("first", "second"):
+        stages[name] = tmp_path / f"stage-{name}"
+        stages[name].mkdir()
+        (stages[name] / "model.onnx").write_bytes(name.encode())
+        write_manifest(stages[name], {"fxllm_version": "test"})
+    paused, go_on = threading.Event(), threading.Event()
+    real_replace = os.replace
+
+    def replace(source, target):
+        if Path(source) == stages["first"]:  # the first compile, between its look at the output and its rename
+            paused.set()
+            go_on.wait(10)
+        real_replace(source, target)
+
+    monkeypatch.setattr(artifact_module.os, "replace", replace)
+    errors = []
+    first = threading.Thread(target=lambda: _collect(errors, artifact_module._swap_into_place, stages["first"], output))
+    first.start()
+    assert paused.wait(10)
+    second = threading.Thread(target=lambda: _collect(errors, artifact_module._swap_into_place, stages["second"],
+                                                      output))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and not output.exists()  # waiting for the first swap to end
+    go_on.set()
+    first.join(10)
+    second.join(10)
+    assert errors == []
+    assert (output / "model.onnx").read_bytes() == b"second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["artifact"]
+
+
+def _collect(errors: list[BaseException], function, *args) -> None:
+    try:
+        function(*args)
+    except BaseException as error:  # noqa: BLE001 - the test thread reports it to the test
+        errors.append(error)
+
+
 def test_a_cleanup_that_fails_because_of_the_signal_still_ends_as_the_interruption(tmp_path):
     """A signal that lands inside a library's bookkeeping can break that library's own cleanup on the way out
     (torch's mode stack: "Trying to pop empty mode stack" replaced SIGTERM mid-lowering, and the CLI reported an
