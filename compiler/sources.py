@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -535,13 +536,34 @@ def load_tokenizer(source: ModelSource):
     else:
         _check_tokenizer_files(source.directory)
     try:
-        return AutoTokenizer.from_pretrained(source.directory, **source.from_pretrained_kwargs())
+        with _transformers_directory(source) as directory:
+            return AutoTokenizer.from_pretrained(directory, **source.from_pretrained_kwargs())
     except KeyError as exc:  # a field transformers reads without checking
         where = f"'{_gguf_path(source)}' lacks tokenizer.ggml.{exc.args[0]}" if source.gguf_file else \
             f"a tokenizer file in '{source.directory}' lacks the key {short(exc.args[0] if exc.args else None)}"
         raise ModelSourceError(f"cannot load a tokenizer: {where}") from exc
     except Exception as exc:
         raise ModelSourceError(f"cannot load a tokenizer from '{_tokenizer_origin(source)}': {exc}") from exc
+
+
+@contextlib.contextmanager
+def _transformers_directory(source: ModelSource) -> Iterator[Path]:
+    """The directory transformers' from_pretrained is given for `source`. A GGUF file is the whole model, as
+    llama.cpp reads it, but its folder may hold another model's files (llama.cpp's converter writes the .gguf into
+    the Hugging Face folder it came from), and transformers takes that folder's tokenizer.json over the GGUF's
+    vocabulary (dropping the GGUF's special tokens and chat template; a foreign one silently paired other ids with
+    the weights) and its generation_config.json's end ids: so it is given a private folder holding only a link to
+    the file."""
+    if not source.gguf_file:
+        yield source.directory
+        return
+    with tempfile.TemporaryDirectory(prefix="fxllm-gguf-") as alone:
+        try:
+            (Path(alone) / source.gguf_file).symlink_to(_gguf_path(source).resolve())
+        except OSError as exc:
+            raise ModelSourceError(f"cannot read '{_gguf_path(source)}' apart from its folder's other files (a link "
+                                   f"to it in '{alone}' failed: {exc.strerror or exc})") from exc
+        yield Path(alone)
 
 
 def _tokenizer_origin(source: ModelSource) -> Path:
@@ -646,8 +668,9 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
     def load(implementation: str):
         # ignore_mismatched_sizes: mismatches come back in the loading info (refused by _check_loaded) instead of
         # as transformers' "look at the above report!"
-        with _gguf_dequantization_bar(enabled=not quiet), _no_loading_report():
-            return AutoModelForCausalLM.from_pretrained(source.directory, dtype="float32",
+        with _gguf_dequantization_bar(enabled=not quiet), _no_loading_report(), \
+                _transformers_directory(source) as directory:
+            return AutoModelForCausalLM.from_pretrained(directory, dtype="float32",
                                                         attn_implementation=implementation, output_loading_info=True,
                                                         ignore_mismatched_sizes=True,
                                                         **source.from_pretrained_kwargs())

@@ -129,3 +129,30 @@ def test_a_file_holding_more_blocks_than_its_header_is_refused(tiny_hf, tmp_path
                                                r"llama\.block_count is 1"):
         check_supported(resolve_source(path))
     check_supported(resolve_source(write_gguf(tiny_hf, tmp_path / "ok.gguf", "Q8_0")))  # the file as written: fine
+
+
+def test_a_gguf_is_read_apart_from_its_folders_other_files(q8_gguf, tiny_hf, tmp_path):
+    """llama.cpp's converter writes the .gguf into the Hugging Face folder it came from, and any folder may hold
+    another model's files: transformers took the folder's tokenizer.json over the GGUF's vocabulary (a foreign one
+    paired other ids with the weights, silently; the converter's own dropped the GGUF's special tokens and chat
+    template) and its generation_config.json's end ids. A GGUF is read as llama.cpp reads it: alone."""
+    import json
+    import shutil
+
+    from fxllm.compiler.sources import load_model, load_tokenizer
+
+    folder = tmp_path / "hf-folder-with-gguf"
+    shutil.copytree(tiny_hf, folder)
+    shutil.copy(q8_gguf, folder / q8_gguf.name)
+    foreign = json.loads((folder / "tokenizer.json").read_text())
+    vocabulary = foreign["model"]["vocab"]
+    foreign["model"]["vocab"] = {token: len(vocabulary) - 1 - i for token, i in vocabulary.items()}
+    (folder / "tokenizer.json").write_text(json.dumps(foreign))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
+
+    alone, beside = resolve_source(q8_gguf), resolve_source(folder / q8_gguf.name)
+    expected, got = load_tokenizer(alone), load_tokenizer(beside)
+    text = "The quick brown fox, 42 times."
+    assert got(text)["input_ids"] == expected(text)["input_ids"]
+    assert (got.eos_token, got.chat_template) == (expected.eos_token, expected.chat_template)
+    assert load_model(beside).generation_config.eos_token_id == load_model(alone).generation_config.eos_token_id
