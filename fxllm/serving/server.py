@@ -97,8 +97,10 @@ def serve(options: ServeOptions, **engine_options) -> int:
     app = create_app(lambda: service, api_key=options.api_key, body_timeout=options.body_timeout,
                      allowed_origins=options.allowed_origins)
     # the head of a request (its line and headers) gets the body's deadline: see connections.py
+    # ws="none": with the `websockets` package installed uvicorn took a WebSocket upgrade and, the app having no
+    # WebSocket route, refused it itself (a bare text/plain 403); now it is a plain request, answered as any other.
     uvicorn_config = uvicorn.Config(app, log_level=options.log_level, access_log=options.access_log, lifespan="off",
-                                    http=guarded_protocol(options.body_timeout),
+                                    http=guarded_protocol(options.body_timeout), ws="none",
                                     timeout_graceful_shutdown=options.drain_timeout + ABORT_GRACE)
     if options.access_log:  # uvicorn gives its access logger log_level, which without -v (warning) hid every line
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)

@@ -204,6 +204,21 @@ def test_bytes_that_are_not_http_are_an_openai_400(edge_server, request_bytes):
     assert httpx.get(f"{edge_server.root}/health", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize("path, status", [("/v1/chat/completions", 405), ("/health", 200), ("/nowhere", 404)])
+def test_a_websocket_upgrade_is_answered_as_a_plain_request(edge_server, path, status):
+    """With the `websockets` package installed, uvicorn accepted the upgrade and refused it itself, on every path:
+    a bare text/plain 403. The server speaks no WebSocket; the request is answered as the plain GET it also is."""
+    with connect(edge_server) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: fxllm\r\nAuthorization: Bearer {API_KEY}\r\n"
+                     "Connection: Upgrade\r\nUpgrade: websocket\r\n"
+                     "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode())
+        answer, headers, rest = read_head(sock)
+        body, _ = read_body(sock, headers, rest)
+    assert answer == status and headers["content-type"] == "application/json", (answer, headers)
+    if status != 200:
+        error_of(body)
+
+
 @pytest.mark.parametrize("body", [b"ZZ\r\n", b'5\r\n{"mod\r\nZZ\r\n', b"3\r\nabcdef\r\n"])
 def test_a_malformed_chunked_body_is_an_openai_400_at_once(edge_server, body):
     """A chunk size that is not hex, or a chunk longer than its size, after a valid head: the request waited for the
