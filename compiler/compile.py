@@ -133,6 +133,7 @@ def compile_model(
             staging_directory(output, late_signals) as stage:  # also turns SIGINT/SIGTERM/SIGHUP into Interrupted
         torch_model = timed("load", f"loading {source.name}", load_model, source)
         tokenizer = load_tokenizer(source)
+        _save_tokenizer(tokenizer, stage / TOKENIZER_DIR, source)
         for warning in (_tokenizer_beyond_vocabulary(tokenizer, torch_model),
                         custom_code_ignored(source, type(torch_model).__name__)):
             if warning:
@@ -190,7 +191,6 @@ def compile_model(
             signature, legalized = (lowered.inputs, lowered.outputs), lowered.legalized
         if target == "tensorrt":
             report.notes += _audit_for_tensorrt(stage / model_file)
-        tokenizer.save_pretrained(stage / TOKENIZER_DIR)
         speculative = None
         if draft_spec is not None:
             speculative = _compile_draft(draft_spec, model, stage, program.spec.vocab_size, spec_k, report)
@@ -343,6 +343,22 @@ def _add_unrolled_draft(draft, k: int, report: CompileReport) -> None:
         return
     data = {key: value for key, value in draft.data.items() if key not in ("kind", "format_version", "files")}
     write_manifest(draft.directory, {**data, "unrolled_draft": {"model_file": path.name, "k": k}})
+
+
+def _save_tokenizer(tokenizer, directory: Path, source) -> None:
+    """Save the source's tokenizer into the artifact and read it back as the runtime will, refusing in one line one
+    that does not survive the round trip: transformers loads a tokenizer.json giving two tokens one id, but saves
+    the vocabulary by id, dropping one of them, and its merges then name a token that no longer exists (the compile
+    succeeded and every load of the artifact failed)."""
+    from fxllm.runtime.tokenizer import load_tokenizer as load_saved_tokenizer
+
+    tokenizer.save_pretrained(directory)
+    try:
+        load_saved_tokenizer(directory)
+    except ArtifactError as exc:
+        reason = " ".join(str(exc.__cause__ or exc).split())
+        raise ModelSourceError(f"the tokenizer of '{source.directory / (source.gguf_file or '')}' does not load "
+                               f"again once saved ({reason}): does its vocabulary give two tokens one id?") from exc
 
 
 def _tokenizer_beyond_vocabulary(tokenizer, torch_model) -> str | None:

@@ -475,6 +475,8 @@ def check_supported(source: ModelSource) -> None:
         _check_gguf_block_count(source, architecture.removeprefix("gguf:"))
         return
     fields, config_path = _read_config(source), source.directory / "config.json"
+    if (source.directory / "generation_config.json").is_file():  # transformers' TypeError named no file
+        _read_json_object(source.directory / "generation_config.json", "a JSON object of generation fields")
     _check_config_sizes(fields, config_path)
     _check_config_numbers(fields, config_path)
     from transformers import AutoConfig

@@ -371,3 +371,39 @@ def test_config_numbers_out_of_range_are_named_before_loading(tiny_hf, tmp_path,
     directory = edited_copy(tiny_hf, tmp_path / "hf", config=_config(**change))
     with pytest.raises(ModelSourceError, match=rf"config\.json: {message}$"):
         check_supported(resolve_source(directory))
+
+
+def test_a_tokenizer_that_does_not_survive_being_saved_is_refused(tiny_hf, tmp_path, capsys):
+    """transformers loads a tokenizer.json giving two tokens one id, but saves the vocabulary by id, dropping one,
+    so the saved merges name a token that no longer exists: the compile exited 0 and every load of the artifact
+    failed ("Token '...' out of vocabulary"). The compile reads the saved tokenizer back and refuses in one line,
+    writing nothing."""
+    from fxllm.cli import main
+
+    def two_tokens_one_id(tokenizer: dict) -> dict:
+        vocabulary = tokenizer["model"]["vocab"]
+        by_id = {index: token for token, index in vocabulary.items()}
+        last = max(by_id)
+        vocabulary[by_id[last]] = last - 1
+        return tokenizer
+
+    directory = edited_copy(tiny_hf, tmp_path / "hf", tokenizer=two_tokens_one_id)
+    output = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["compile", str(directory), "-o", str(output)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fxllm: error: the tokenizer of '{directory}' does not load "
+                                                   "again once saved ("), lines
+    assert lines[0].endswith("): does its vocabulary give two tokens one id?") and not output.exists()
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"greedy"', "{not json"])
+def test_a_generation_config_that_is_not_an_object_is_named(tiny_hf, tmp_path, content):
+    """A generation_config.json holding a list failed as "a config value has the wrong type ('list' object is not a
+    mapping)", naming no file."""
+    from fxllm.compiler.sources import check_supported
+
+    directory = edited_copy(tiny_hf, tmp_path / "hf")
+    (directory / "generation_config.json").write_text(content)
+    with pytest.raises(ModelSourceError, match=r"generation_config\.json"):
+        check_supported(resolve_source(directory))
