@@ -26,7 +26,7 @@ from typing import Any
 from fxllm.errors import ArtifactError
 from fxllm.runtime.contract import ARTIFACT_KIND, FORMAT_VERSION, MANIFEST_FILE
 from fxllm.runtime.interruption import held_back, interruptible
-from fxllm.runtime.write_leftovers import RETIRED, STAGING, hold, owned_prefix, release
+from fxllm.runtime.write_leftovers import RETIRED, STAGING, hold, holding, owned_prefix, release
 
 _MAX_MANIFEST_BYTES = 16 << 20  # a manifest is kilobytes; a bigger "manifest.json" is somebody else's file
 
@@ -211,7 +211,9 @@ def _swap_into_place(staging: Path, output: Path) -> None:
     """Put `staging` in place as `output`. Swaps into one parent directory are serialized by a flock of it: two
     compiles to one output finishing at the same instant both saw no output and the second rename failed with
     "Directory not empty"; now the later one replaces the earlier one's artifact."""
-    parent = hold(output.parent)
+    # A draft is compiled into its target's staging directory, which this thread holds already (and nobody else
+    # swaps into): locking it again would wait for itself.
+    parent = None if holding(output.parent) else hold(output.parent)
     try:
         if not output.exists():
             os.replace(staging, output)

@@ -578,6 +578,21 @@ def test_two_compiles_finishing_at_the_same_instant_take_turns_at_the_swap(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["artifact"]
 
 
+@pytest.mark.timeout(60)
+def test_an_output_inside_a_staging_directory_this_process_holds_is_swapped(tmp_path):
+    """A draft is compiled into its target's staging directory, which the compile holds locked: the draft's swap
+    locking that directory again waited for its own process forever (the first form of the turn-taking above)."""
+    output = tmp_path / "target"
+    with staging_directory(output) as stage:
+        with staging_directory(stage / "draft") as inner:
+            (inner / "model.onnx").write_bytes(b"draft")
+            write_manifest(inner, {"fxllm_version": "test"})
+        (stage / "model.onnx").write_bytes(b"target")
+        write_manifest(stage, {"fxllm_version": "test"})
+    assert (output / "draft" / "model.onnx").read_bytes() == b"draft"
+    assert (output / "model.onnx").read_bytes() == b"target"
+
+
 def _collect(errors: list[BaseException], function, *args) -> None:
     try:
         function(*args)
