@@ -81,6 +81,18 @@ def test_int8_activations_on_a_float_artifact_is_refused_at_load(capsys, make_ti
     assert "--int8-activations) applies to quantized artifacts" in message
 
 
+@pytest.mark.parametrize("speculative", [True, False, "ngram"])
+def test_unrolled_draft_without_a_draft_model_is_refused(make_tiny_artifact, speculative):
+    """fxllm.load(..., unrolled_draft=True) on an artifact without a model draft loaded and ignored it, where
+    kv_blocks, spec_k and int8_activations are refused when they have nothing to act on."""
+    artifact = make_tiny_artifact("llama")
+    with pytest.raises(InvalidArgumentError, match=r"^unrolled_draft applies to an artifact compiled with a model "
+                                                   r"draft \(--draft MODEL\), and this load of '.*' runs no draft"):
+        fxllm.load(artifact, unrolled_draft=True, speculative=speculative)
+    assert fxllm.load(artifact, unrolled_draft=False, speculative=speculative).generate("Paris is",
+                                                                                       max_new_tokens=2).token_ids
+
+
 def test_int8_activations_on_a_transformers_model_is_refused(capsys, make_tiny_model, tmp_path):
     """`fxllm eval HF_MODEL --int8-activations` scored in float without a word."""
     text = tmp_path / "text.txt"
