@@ -354,17 +354,20 @@ def cmd_inspect(args) -> int:
     if not args.check:
         print(json.dumps(info, indent=2) if args.json else printable(info["text"]))
         return 0
-    from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings
+    from fxllm.compiler.targets.tensorrt_audit import audit_model, format_findings, read_graph, unverified_forms
     from fxllm.compiler.targets.tensorrt_rules import parse_version
 
     trt_version = DEFAULT_TRT_VERSION if args.trt_version is None else args.trt_version
     version = parse_version(trt_version)
-    findings = audit_file(args.artifact, version)
+    graph = read_graph(args.artifact)
+    findings, unverified = audit_model(graph, version), unverified_forms(graph)  # the compile's warnings
     if args.json:
         print(json.dumps({"check": "tensorrt", "trt_version": trt_version,
-                          "findings": [f.to_dict() for f in findings]}, indent=2))
+                          "findings": [f.to_dict() for f in findings], "unverified": unverified}, indent=2))
     else:
         print(format_findings(findings, version))
+        for note in unverified:
+            print(f"  unverified: {note}")
     return 1 if findings else 0
 
 

@@ -119,6 +119,27 @@ def test_inspect_check_exit_codes(trt_artifact, tmp_path, capsys):
                                               "it needs --check tensorrt"
 
 
+@pytest.mark.parametrize("embedding", ["int8", "int4"])
+def test_a_quantized_embedding_is_said_to_be_unverified(make_tiny_model, tmp_path, capsys, embedding):
+    """A quantized embedding is a blocked DequantizeLinear of rows a Gather took from the codes (INT8: an int4
+    embedding keeps a code a byte, ONNX's Gather has no INT4): the compile said nothing of it (only dequantizes of a
+    stored weight were looked at) and `inspect --check tensorrt` said "no findings", where docs/quantization.md
+    calls it unverified on TensorRT. Both say so now."""
+    from fxllm.cli import main
+
+    output = tmp_path / "artifact"
+    report = fxllm.compile(make_tiny_model("llama"), output, target="tensorrt", quant="int8",
+                           quant_options={"embedding": embedding})
+    notes = [note for note in report.notes if note.startswith("unverified for TensorRT")]
+    assert all(any(kind in note for note in notes) for kind in ("blocked INT8", "a Gather took")), notes
+    capsys.readouterr()
+    assert main(["inspect", str(output), "--check", "tensorrt"]) == 0
+    printed = capsys.readouterr().out
+    assert "no findings" in printed
+    assert [line for line in printed.splitlines() if line.startswith("  unverified: ")] == \
+           [f"  unverified: {note.removeprefix('unverified for TensorRT: ')}" for note in notes]
+
+
 def test_plan_from_another_tensorrt_or_gpu_is_refused():
     recorded = {"version": "10.15.1", "compute_capability": "9.0", "gpu": "NVIDIA H200"}
     check_plan_compatibility(recorded, "10.15.1", "9.0")

@@ -94,34 +94,50 @@ def _node_rules(node: onnx.NodeProto, constants: set[str], ranks: dict[str, int]
 
 def audit_file(path: str | os.PathLike, trt_version: Version = DEFAULT_TRT_VERSION) -> list[Finding]:
     """Audit an .onnx file or an artifact directory (its model file), without loading weights."""
+    return audit_model(read_graph(path), trt_version)
+
+
+def read_graph(path: str | os.PathLike) -> onnx.ModelProto:
+    """The ONNX model of an .onnx file or an artifact directory (its model file), without its weights' data."""
     path = Path(path)
     if path.is_dir():
         from fxllm.runtime.manifest import load_manifest
 
         path = load_manifest(path, verify=False).model_file
-    return audit_model(onnx.load(str(path), load_external_data=False), trt_version)
+    return onnx.load(str(path), load_external_data=False)
 
 
 def unverified_forms(model: onnx.ModelProto) -> list[str]:
     """Forms the audit passes but nobody has checked on TensorRT: blocked DequantizeLinear of INT8 weights (TensorRT
-    documents blocked quantization for INT4 weights) and blocked weights whose last block is shorter (the ONNX spec and
-    ONNX Runtime allow it). One line per kind, with the number of nodes; empty when there are none."""
+    documents blocked quantization for INT4 weights), of rows a Gather took from the weights (a quantized
+    embedding), and of weights whose last block is shorter (the ONNX spec and ONNX Runtime allow it). One line per
+    kind, with the number of nodes; empty when there are none."""
     initializers = {init.name: init for init in model.graph.initializer}
-    blocked_int8, ragged = 0, 0
+    producers = {output: node for node in model.graph.node for output in node.output}
+    blocked_int8 = gathered = ragged = 0
     for node in model.graph.node:
-        if node.op_type != "DequantizeLinear" or node.input[0] not in initializers:
-            continue
         block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
-        if block <= 0:
+        if node.op_type != "DequantizeLinear" or block <= 0:
             continue
-        weight = initializers[node.input[0]]
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        source, producer = node.input[0], producers.get(node.input[0])
+        gather = producer is not None and producer.op_type == "Gather" and producer.input[0] in initializers
+        if gather:
+            source = producer.input[0]
+        if source not in initializers:
+            continue
+        weight = initializers[source]
+        axis = -1 if gather else next((a.i for a in node.attribute if a.name == "axis"), 1)  # rows keep the columns
         blocked_int8 += weight.data_type == onnx.TensorProto.INT8
+        gathered += gather
         ragged += bool(weight.dims) and weight.dims[axis] % block != 0
     notes = []
     if blocked_int8:
         notes.append(f"{blocked_int8} blocked INT8 DequantizeLinear(s) (an int8 lm_head or embedding, GGUF Q8_0): "
                      "TensorRT documents blocked dequantization for INT4 weights; INT8 blocks are not verified on it")
+    if gathered:
+        notes.append(f"{gathered} blocked DequantizeLinear(s) of rows a Gather took from the weights (a quantized "
+                     "embedding): TensorRT documents blocked dequantization of weights; of gathered rows it is not "
+                     "verified (--quant-embedding float avoids it)")
     if ragged:
         notes.append(f"{ragged} blocked DequantizeLinear(s) with a shorter last block (the input size is not a multiple "
                      "of the group size): allowed by ONNX and ONNX Runtime, not verified on TensorRT")
