@@ -10,6 +10,7 @@ job.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -156,12 +157,12 @@ def staging_directory(output: str | os.PathLike, late_signals: list[int] | None 
             if isinstance(exc, FileNotFoundError) and vanished and _inside(exc.filename, staging):
                 raise ArtifactError(f"the staging directory '{staging}' of '{output}' was removed while the compile "
                                     "wrote into it (by another process?); nothing was replaced") from exc
-            if isinstance(exc, OSError) and exc.errno is None and staging is not None:
+            if isinstance(exc, OSError) and exc.errno in (None, errno.ENOSPC, errno.EDQUOT) and staging is not None:
                 # a writer that lost the errno: numpy's tofile (under the ONNX export) reports a full disk as
                 # "problem writing element N to file"; the space it had taken is freed again by now
-                raise ArtifactError(f"writing the artifact to '{output.parent}' failed ({exc}); is the disk full? "
-                                    f"{_free_space(output.parent)} free there now, with the partial artifact "
-                                    "removed") from exc
+                raise ArtifactError(f"writing the artifact to '{output.parent}' failed ({exc.strerror or exc}); is "
+                                    f"the disk full? {_free_space(output.parent)} free there now, with the partial "
+                                    "artifact removed") from exc
             raise
         finally:
             release(lock)

@@ -46,3 +46,20 @@ def test_a_full_disk_is_a_user_error_and_keeps_the_previous_artifact(capsys, sma
     assert "is the disk full?" in lines[0] and "free there now" in lines[0]
     assert [p.name for p in small_disk.iterdir()] == ["artifact"]  # no staging directory left
     assert _digest(output) == before
+
+
+@pytest.mark.parametrize("error", [OSError("problem writing element 3 to file"),  # numpy's tofile: no errno
+                                   OSError(28, "No space left on device")])
+def test_a_write_failing_for_space_is_said_to_be_one(tmp_path, error):
+    """Which writer meets the full disk first depends on what was written before it: numpy's tofile loses the
+    errno, a plain file.write (the tokenizer, torch-backed tensors) raises ENOSPC, which was printed bare as
+    "No space left on device". Both are the one line naming the place and the space left."""
+    from fxllm.errors import ArtifactError
+    from fxllm.runtime.artifact import staging_directory
+
+    output = tmp_path / "artifact"
+    with pytest.raises(ArtifactError, match=rf"^writing the artifact to '{tmp_path}' failed \(.+\); is the disk "
+                                            r"full\? .+ free there now, with the partial artifact removed$"):
+        with staging_directory(output):
+            raise error
+    assert list(tmp_path.iterdir()) == []
