@@ -27,7 +27,7 @@ from typing import Any
 from fxllm.errors import ArtifactError
 from fxllm.runtime.contract import ARTIFACT_KIND, FORMAT_VERSION, MANIFEST_FILE
 from fxllm.runtime.interruption import held_back, interruptible
-from fxllm.runtime.write_leftovers import RETIRED, STAGING, hold, holding, owned_prefix, release
+from fxllm.runtime.write_leftovers import RETIRED, STAGING, hold, owned_prefix, release
 
 _MAX_MANIFEST_BYTES = 16 << 20  # a manifest is kilobytes; a bigger "manifest.json" is somebody else's file
 
@@ -157,9 +157,11 @@ def staging_directory(output: str | os.PathLike, late_signals: list[int] | None 
             if isinstance(exc, FileNotFoundError) and vanished and _inside(exc.filename, staging):
                 raise ArtifactError(f"the staging directory '{staging}' of '{output}' was removed while the compile "
                                     "wrote into it (by another process?); nothing was replaced") from exc
-            if isinstance(exc, OSError) and exc.errno in (None, errno.ENOSPC, errno.EDQUOT) and staging is not None:
+            if (isinstance(exc, OSError) and exc.errno in (None, errno.ENOSPC, errno.EDQUOT) and staging is not None
+                    and (exc.filename is None or _inside(exc.filename, staging))):
                 # a writer that lost the errno: numpy's tofile (under the ONNX export) reports a full disk as
-                # "problem writing element N to file"; the space it had taken is freed again by now
+                # "problem writing element N to file"; a plain write names no file; the space it had taken is
+                # freed again by now. A full disk elsewhere (a --dump-dir) is left to name its own file.
                 raise ArtifactError(f"writing the artifact to '{output.parent}' failed ({exc.strerror or exc}); is "
                                     f"the disk full? {_free_space(output.parent)} free there now, with the partial "
                                     "artifact removed") from exc
@@ -208,36 +210,60 @@ def _create_staging(output: Path) -> Path:
     return staging
 
 
+SWAP_ATTEMPTS = 3
+
+
 def _swap_into_place(staging: Path, output: Path) -> None:
-    """Put `staging` in place as `output`. Swaps into one parent directory are serialized by a flock of it: two
-    compiles to one output finishing at the same instant both saw no output and the second rename failed with
-    "Directory not empty"; now the later one replaces the earlier one's artifact."""
-    # A draft is compiled into its target's staging directory, which this thread holds already (and nobody else
-    # swaps into): locking it again would wait for itself.
-    parent = None if holding(output.parent) else hold(output.parent)
-    try:
+    """Put `staging` in place as `output`, an artifact already there moved aside first (kept if it holds files it
+    does not own). Another compile finishing into the same output at the same instant can put its artifact there
+    between this one's look and its rename ("Directory not empty", an internal error ~1 in 1,260 racing pairs):
+    that artifact is then replaced as any earlier one, trying SWAP_ATTEMPTS times. No lock: a lock on a shared
+    directory could be held by anybody (`flock DIR job`), and where a file system has none the race stays."""
+    for _ in range(SWAP_ATTEMPTS):
         if not output.exists():
-            os.replace(staging, output)
-            return
+            try:
+                os.replace(staging, output)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                continue  # another compile's artifact took the place just now
         # Move the old artifact aside first, so at every instant `output` is either old or new, never half.
         retired = Path(tempfile.mkdtemp(prefix=owned_prefix(output, RETIRED), dir=output.parent))
         lock = hold(retired)
         try:
-            _retire_and_replace(staging, output, retired)
+            if _retire_and_replace(staging, output, retired):
+                return
         finally:
             release(lock)
-    finally:
-        release(parent)
+    raise ArtifactError(f"other compiles put their artifacts at '{output}' {SWAP_ATTEMPTS} times as this one put its "
+                        "own in place; this compile's artifact was not kept")
 
 
-def _retire_and_replace(staging: Path, output: Path, retired: Path) -> None:
-    os.replace(output, retired / "artifact")
+def _retire_and_replace(staging: Path, output: Path, retired: Path) -> bool:
+    """Move `output` into `retired`, then `staging` to `output`; False (nothing of `staging` moved) where another
+    compile's swap came between (`output` gone, or back before the second rename), True once in place."""
+    try:
+        os.replace(output, retired / "artifact")
+    except FileNotFoundError:  # another swap moved it aside just now
+        shutil.rmtree(retired, ignore_errors=True)
+        return False
     try:
         os.replace(staging, output)
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            _dispose_of_replaced(retired, output)  # another swap put its artifact there between the two renames
+            return False
         os.replace(retired / "artifact", output)
         shutil.rmtree(retired, ignore_errors=True)
         raise
+    _dispose_of_replaced(retired, output)
+    return True
+
+
+def _dispose_of_replaced(retired: Path, output: Path) -> None:
+    """Remove the artifact a swap moved into `retired`, unless it holds a file its manifest does not own (put
+    there after the compile's last check: the user's), which is kept next to `output`, with a note."""
     try:  # the swap is done: whatever this finds or fails, the new artifact is in place
         old = _existing_manifest(retired / "artifact")
         late = (_unowned_entries(retired / "artifact", old) if old is not None

@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import socket
-import threading
 from pathlib import Path
 
 STAGING = "staging"
@@ -94,33 +93,15 @@ def remove_leftovers(output: str | os.PathLike) -> list[str]:
     return done
 
 
-# descriptor → (device, inode) of the directory hold() locked with it, and the thread that did
-_HOLDING: dict[int, tuple[int, int, int]] = {}
-
-
 def hold(directory: Path) -> int | None:
     """Lock a directory this process writes (flock on it, until the returned descriptor is closed), so that
     remove_leftovers elsewhere never takes it for a dead writer's; None where the file system cannot lock it."""
-    descriptor = _locked(directory, wait=True)  # waits: a cleanup's probe (_held) holds it for an instant
-    if descriptor is not None:
-        identity = os.fstat(descriptor)
-        _HOLDING[descriptor] = (identity.st_dev, identity.st_ino, threading.get_ident())
-    return descriptor
-
-
-def holding(directory: Path) -> bool:
-    """Whether this thread holds `directory` locked through hold(): locking it again would wait for itself."""
-    try:
-        identity = os.stat(directory)
-    except OSError:
-        return False
-    return (identity.st_dev, identity.st_ino, threading.get_ident()) in _HOLDING.values()
+    return _locked(directory, wait=True)  # waits: a cleanup's probe (_held) holds it for an instant
 
 
 def release(descriptor: int | None) -> None:
     """Let go of what hold() locked (None: nothing was)."""
     if descriptor is not None:
-        _HOLDING.pop(descriptor, None)
         os.close(descriptor)
 
 

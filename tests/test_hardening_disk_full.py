@@ -3,6 +3,7 @@ left whole, nothing of the new one left behind."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import shutil
 import subprocess
@@ -49,7 +50,8 @@ def test_a_full_disk_is_a_user_error_and_keeps_the_previous_artifact(capsys, sma
 
 
 @pytest.mark.parametrize("error", [OSError("problem writing element 3 to file"),  # numpy's tofile: no errno
-                                   OSError(28, "No space left on device")])
+                                   OSError(errno.ENOSPC, "No space left on device"),
+                                   OSError(errno.EDQUOT, "Disk quota exceeded")])
 def test_a_write_failing_for_space_is_said_to_be_one(tmp_path, error):
     """Which writer meets the full disk first depends on what was written before it: numpy's tofile loses the
     errno, a plain file.write (the tokenizer, torch-backed tensors) raises ENOSPC, which was printed bare as
@@ -63,3 +65,14 @@ def test_a_write_failing_for_space_is_said_to_be_one(tmp_path, error):
         with staging_directory(output):
             raise error
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_elsewhere_names_its_own_file(tmp_path):
+    """A full disk under another directory (a --dump-dir on another file system) is not blamed on the artifact's."""
+    from fxllm.runtime.artifact import staging_directory
+
+    elsewhere = str(tmp_path / "dumps" / "summary.txt")
+    with pytest.raises(OSError) as raised:
+        with staging_directory(tmp_path / "artifact"):
+            raise OSError(errno.ENOSPC, "No space left on device", elsewhere)
+    assert type(raised.value) is OSError and raised.value.filename == elsewhere
