@@ -19,7 +19,8 @@ from fxllm.compiler.draft import (SELF_INT4_PASSES, check_draft_source, check_la
                                   check_same_vocab, parse_draft, truncate_layers)
 from fxllm.compiler.pipeline import build_pipeline, check_dtype, parse_pipeline, place_dtype, place_quantization
 from fxllm.progress import status
-from fxllm.compiler.sources import check_supported, custom_code_ignored, load_model, load_tokenizer, resolve_source
+from fxllm.compiler.sources import (ModelSource, check_supported, custom_code_ignored, load_model, load_tokenizer,
+                                    resolve_source, tokenizer_origin)
 from fxllm.errors import ArtifactError, ModelSourceError, PipelineError, UnsupportedModelError
 from fxllm.runtime.checks import describe
 from fxllm.runtime.checks import path as path_argument
@@ -345,7 +346,7 @@ def _add_unrolled_draft(draft, k: int, report: CompileReport) -> None:
     write_manifest(draft.directory, {**data, "unrolled_draft": {"model_file": path.name, "k": k}})
 
 
-def _save_tokenizer(tokenizer, directory: Path, source) -> None:
+def _save_tokenizer(tokenizer: Any, directory: Path, source: ModelSource) -> None:
     """Save the source's tokenizer into the artifact and read it back as the runtime will, refusing in one line one
     that does not survive the round trip: transformers loads a tokenizer.json giving two tokens one id, but saves
     the vocabulary by id, dropping one of them, and its merges then name a token that no longer exists (the compile
@@ -356,9 +357,10 @@ def _save_tokenizer(tokenizer, directory: Path, source) -> None:
     try:
         load_saved_tokenizer(directory)
     except ArtifactError as exc:
-        reason = " ".join(str(exc.__cause__ or exc).split())
-        raise ModelSourceError(f"the tokenizer of '{source.directory / (source.gguf_file or '')}' does not load "
-                               f"again once saved ({reason}): does its vocabulary give two tokens one id?") from exc
+        reason = " ".join(str(exc.__cause__ or exc).replace(str(directory), "the artifact's tokenizer").split())
+        hint = ": does its vocabulary give two tokens one id?" if "out of vocabulary" in reason else ""
+        raise ModelSourceError(f"the tokenizer of '{tokenizer_origin(source)}' does not load again once saved into "
+                               f"the artifact ({reason}){hint}") from exc
 
 
 def _tokenizer_beyond_vocabulary(tokenizer, torch_model) -> str | None:
@@ -378,15 +380,13 @@ def _tokenizer_beyond_vocabulary(tokenizer, torch_model) -> str | None:
 def _audit_for_tensorrt(model_path: Path) -> list[str]:
     """Fail on any audit finding; → warnings (also printed) for the forms the audit passes but TensorRT was never
     seen to run."""
-    import onnx
+    from fxllm.compiler.targets.tensorrt_audit import audit_model, format_findings, read_graph, unverified_forms
 
-    from fxllm.compiler.targets.tensorrt_audit import audit_file, format_findings, unverified_forms
-
-    findings = audit_file(model_path)
+    graph = read_graph(model_path)
+    findings = audit_model(graph)
     if findings:
         raise UnsupportedModelError(format_findings(findings).replace("\n", "; "))
-    warnings = [f"unverified for TensorRT: {note}" for note in
-                unverified_forms(onnx.load(str(model_path), load_external_data=False))]
+    warnings = [f"unverified for TensorRT: {note}" for note in unverified_forms(graph)]
     for warning in warnings:
         print(f"fxllm: warning: {warning}", file=sys.stderr)
     return warnings

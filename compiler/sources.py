@@ -8,6 +8,8 @@ import importlib.util
 import json
 import math
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -540,12 +542,23 @@ def load_tokenizer(source: ModelSource):
     try:
         with _transformers_directory(source) as directory:
             return AutoTokenizer.from_pretrained(directory, **source.from_pretrained_kwargs())
+    except ModelSourceError:
+        raise
     except KeyError as exc:  # a field transformers reads without checking
         where = f"'{_gguf_path(source)}' lacks tokenizer.ggml.{exc.args[0]}" if source.gguf_file else \
             f"a tokenizer file in '{source.directory}' lacks the key {short(exc.args[0] if exc.args else None)}"
         raise ModelSourceError(f"cannot load a tokenizer: {where}") from exc
     except Exception as exc:
-        raise ModelSourceError(f"cannot load a tokenizer from '{_tokenizer_origin(source)}': {exc}") from exc
+        raise ModelSourceError(f"cannot load a tokenizer from '{tokenizer_origin(source)}': "
+                               f"{_users_paths(str(exc), source)}") from exc
+
+
+GGUF_VIEW_PREFIX = "fxllm-gguf-"
+# What transformers reads from a model's folder besides the weights: a GGUF's folder holding none of these can be
+# given to it as it is.
+FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                "chat_template.jinja", "chat_template.json")
 
 
 @contextlib.contextmanager
@@ -554,21 +567,43 @@ def _transformers_directory(source: ModelSource) -> Iterator[Path]:
     llama.cpp reads it, but its folder may hold another model's files (llama.cpp's converter writes the .gguf into
     the Hugging Face folder it came from), and transformers takes that folder's tokenizer.json over the GGUF's
     vocabulary (dropping the GGUF's special tokens and chat template; a foreign one silently paired other ids with
-    the weights) and its generation_config.json's end ids: so it is given a private folder holding only a link to
-    the file."""
-    if not source.gguf_file:
+    the weights) and its generation_config.json's end ids: so it is given a private temporary folder holding only
+    a link to the file, or the folder itself where that holds none of FOLDER_FILES."""
+    if not source.gguf_file or not any((source.directory / name).exists() for name in FOLDER_FILES):
         yield source.directory
         return
-    with tempfile.TemporaryDirectory(prefix="fxllm-gguf-") as alone:
-        try:
-            (Path(alone) / source.gguf_file).symlink_to(_gguf_path(source).resolve())
-        except OSError as exc:
-            raise ModelSourceError(f"cannot read '{_gguf_path(source)}' apart from its folder's other files (a link "
-                                   f"to it in '{alone}' failed: {exc.strerror or exc})") from exc
-        yield Path(alone)
+    alone = _linked_alone(source)
+    try:
+        yield alone
+    finally:
+        shutil.rmtree(alone, ignore_errors=True)
 
 
-def _tokenizer_origin(source: ModelSource) -> Path:
+def _linked_alone(source: ModelSource) -> Path:
+    """A new temporary directory holding only a link to the source's GGUF file, or a one-line ModelSourceError."""
+    alone = None
+    try:
+        alone = Path(tempfile.mkdtemp(prefix=GGUF_VIEW_PREFIX))
+        (alone / source.gguf_file).symlink_to(_gguf_path(source).resolve())
+        return alone
+    except OSError as exc:
+        if alone is not None:
+            shutil.rmtree(alone, ignore_errors=True)
+        raise ModelSourceError(f"'{_gguf_path(source)}' shares its folder with other model files ("
+                               f"{', '.join(name for name in FOLDER_FILES if (source.directory / name).exists())}), "
+                               "which transformers would read instead of the GGUF's own, and no temporary folder to "
+                               f"read it apart could be made ({exc.strerror or exc}): set TMPDIR to a writable "
+                               "directory, or move the .gguf into a folder of its own") from exc
+
+
+def _users_paths(text: str, source: ModelSource) -> str:
+    """`text` (an error of transformers) with the temporary folder a GGUF was read through named as its folder."""
+    if not source.gguf_file:
+        return text
+    return re.sub(r"[^\s'\"]*" + re.escape(GGUF_VIEW_PREFIX) + r"\w+", str(source.directory), text)
+
+
+def tokenizer_origin(source: ModelSource) -> Path:
     """The file a tokenizer is read from: the GGUF file, else tokenizer.json where there is one, else the folder."""
     if source.gguf_file:
         return _gguf_path(source)
@@ -685,9 +720,12 @@ def load_model(source: ModelSource, attn_implementation: str | None = None):
                                                                                      "scaled_dot_product_attention")):
                 raise
             model = load("eager")  # models without an sdpa path (Gemma 2, GPT-OSS); capture replaces it anyway
+    except ModelSourceError:
+        raise
     except Exception as exc:
         where = _gguf_path(source) if source.gguf_file else source.directory
-        raise ModelSourceError(f"cannot load model weights from '{where}': {_load_failure(exc)}") from exc
+        raise ModelSourceError(f"cannot load model weights from '{where}': "
+                               f"{_users_paths(_load_failure(exc), source)}") from exc
     model, info = model
     _check_loaded(source, info)
     _check_no_extra_blocks(source, info, model.state_dict().keys())

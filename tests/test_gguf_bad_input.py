@@ -156,3 +156,28 @@ def test_a_gguf_is_read_apart_from_its_folders_other_files(q8_gguf, tiny_hf, tmp
     assert got(text)["input_ids"] == expected(text)["input_ids"]
     assert (got.eos_token, got.chat_template) == (expected.eos_token, expected.chat_template)
     assert load_model(beside).generation_config.eos_token_id == load_model(alone).generation_config.eos_token_id
+
+
+def test_without_a_temporary_folder_a_gguf_alone_still_loads_and_one_beside_others_is_one_line(q8_gguf, tiny_hf,
+                                                                                               tmp_path, monkeypatch):
+    """Reading a GGUF apart from its folder's files takes a temporary folder; where none can be made (a read-only
+    container, a full /tmp) a GGUF alone in its folder is read in place as before, and one beside other model
+    files is refused in one line saying what to do, not blamed on the weights."""
+    import shutil
+    import tempfile
+
+    from fxllm.compiler.sources import load_model, load_tokenizer
+
+    def no_temporary_folder(*args, **kwargs):
+        raise FileNotFoundError(2, "No usable temporary directory found")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_temporary_folder)
+    assert load_tokenizer(resolve_source(q8_gguf))("The quick")["input_ids"]
+    folder = tmp_path / "beside"
+    shutil.copytree(tiny_hf, folder)
+    shutil.copy(q8_gguf, folder / q8_gguf.name)
+    for load in (load_tokenizer, load_model):
+        with pytest.raises(ModelSourceError, match=rf"^'{folder / q8_gguf.name}' shares its folder with other model "
+                                                   r"files \(config\.json, .*\), .* set TMPDIR to a writable "
+                                                   r"directory, or move the \.gguf into a folder of its own$"):
+            load(resolve_source(folder / q8_gguf.name))

@@ -392,8 +392,8 @@ def test_a_tokenizer_that_does_not_survive_being_saved_is_refused(tiny_hf, tmp_p
     capsys.readouterr()
     assert main(["compile", str(directory), "-o", str(output)]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"fxllm: error: the tokenizer of '{directory}' does not load "
-                                                   "again once saved ("), lines
+    assert len(lines) == 1 and lines[0].startswith(f"fxllm: error: the tokenizer of '{directory / 'tokenizer.json'}' "
+                                                   "does not load again once saved into the artifact ("), lines
     assert lines[0].endswith("): does its vocabulary give two tokens one id?") and not output.exists()
 
 
