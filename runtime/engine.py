@@ -113,9 +113,9 @@ class Engine:
         speculative="ngram" decodes any artifact with prompt lookup (no draft model, nothing to compile; k 4 unless the
         artifact names one); spec_k overrides k. unrolled_draft: a model draft proposes its k tokens in one call of its
         unrolled graph (True), or one call per token (False); None: unrolled on a CUDA provider only (on CPU it measured
-        no faster: docs/speculative.md). A quantized draft runs with int8 activations unless int8_activations is given
-        or it is unrolled (its speed matters, its numerics do not: verification keeps exactly the target's
-        distribution).
+        no faster: docs/speculative.md); True without a model draft is an InvalidArgumentError. A quantized draft
+        runs with int8 activations unless int8_activations is given or it is unrolled (its speed matters, its
+        numerics do not: verification keeps exactly the target's distribution).
         spin=False stops ONNX Runtime's idle threads from spinning (set for speculative target/draft pairs).
         huge_pages=False skips moving the weights onto 2 MiB pages at load (runtime/huge_pages.py: ~1-3 s of load
         for ~7% faster decode steps on CPU; worth it for a server, not for a few dozen tokens)."""

@@ -38,22 +38,24 @@ def huge_bytes_under(array: np.ndarray) -> int:
     return huge
 
 
-def kernel_refuses_a_collapse() -> str:
-    """The errno name with which the kernel refuses to collapse a fresh 4 MiB mapping ("" where it collapses it):
-    EAGAIN or ENOMEM when it finds no free 2 MiB page, as under the memory pressure of a parallel test run."""
+def kernel_refuses_a_collapse(pages: int) -> str:
+    """The errno name with which the kernel refuses to collapse one of `pages` 2 MiB pages of a fresh mapping (""
+    where it collapses them all): EAGAIN or ENOMEM when it finds no free huge page, as under the memory pressure of
+    a parallel test run."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    memory = mmap.mmap(-1, 2 * huge_pages.MIN_MAPPING, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = mmap.mmap(-1, (pages + 1) * huge_pages.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         memory.write(b"\x01" * len(memory))
         view = ctypes.c_char.from_buffer(memory)
         start = ctypes.addressof(view)
         del view  # the mapping cannot be closed while a ctypes view of it lives
-        page = -(-start // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE
-        if libc.madvise(page, huge_pages.HUGE_PAGE, huge_pages.MADV_COLLAPSE) == 0:
-            return ""
-        error = ctypes.get_errno()
-        return errno.errorcode.get(error, str(error)) if error in (errno.EAGAIN, errno.ENOMEM) else ""
+        first = -(-start // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE
+        for page in range(first, first + pages * huge_pages.HUGE_PAGE, huge_pages.HUGE_PAGE):
+            if libc.madvise(page, huge_pages.HUGE_PAGE, huge_pages.MADV_COLLAPSE) != 0:
+                error = ctypes.get_errno()
+                return errno.errorcode.get(error, str(error)) if error in (errno.EAGAIN, errno.ENOMEM) else ""
+        return ""
     finally:
         memory.close()
 
@@ -88,7 +90,8 @@ def test_new_memory_is_collapsed_and_keeps_its_contents():
         time.sleep(1)
         huge_pages.collapse_new_mappings(before)
     np.testing.assert_array_equal(weights, expected)
-    if huge_bytes_under(weights) < 18 * huge_pages.HUGE_PAGE and (refusal := kernel_refuses_a_collapse()):
+    missing = 18 - huge_bytes_under(weights) // huge_pages.HUGE_PAGE
+    if missing > 0 and (refusal := kernel_refuses_a_collapse(missing)):
         pytest.skip(f"the kernel has no free 2 MiB pages now ({refusal}): other tests fill memory")
     assert huge_bytes_under(weights) >= 18 * huge_pages.HUGE_PAGE
 
