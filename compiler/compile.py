@@ -112,6 +112,11 @@ def compile_model(
         _check_ort_steps(ort_steps, target)
     kv_cache_calib = _check_kv_cache_dtype(kv_cache_dtype, kv_cache_calib, target, provided, ort_steps)
     draft_spec = parse_draft(draft, spec_k) if draft is not None else None
+    if draft_spec is not None and draft_spec.mode == "self-int4" and source.gguf_file and not requantize:
+        raise PipelineError("--draft self-int4 quantizes the target's float weights to int4 for its draft, and this "
+                            "GGUF target keeps its own quantized blocks (it would decode about as fast as that "
+                            "draft): add --requantize for a float target with an int4 draft, or use --draft "
+                            "self-layers:N, ngram or a smaller model")
     draft_source = resolve_source(draft_spec.model) if draft_spec and draft_spec.mode == "model" else None
     check_supported(source)
     if draft_source is not None:
@@ -194,7 +199,8 @@ def compile_model(
             report.notes += _audit_for_tensorrt(stage / model_file)
         speculative = None
         if draft_spec is not None:
-            speculative = _compile_draft(draft_spec, model, stage, program.spec.vocab_size, spec_k, report)
+            speculative = _compile_draft(draft_spec, model, stage, program.spec.vocab_size, spec_k, report,
+                                         requantize)
         manifest = {
             "fxllm_version": __version__,
             "source": {"name": source.name, "gguf": bool(source.gguf_file)},
@@ -308,9 +314,9 @@ def _check_dump_dir(dump_dir: str | os.PathLike | None, output: Path) -> IO[byte
 
 
 def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, k: int,
-                   report: CompileReport) -> dict[str, Any]:
+                   report: CompileReport, requantize: bool = False) -> dict[str, Any]:
     """Compile the draft into stage/draft (modes that have a model), with its k-step graph; → the manifest's
-    "speculative" entry."""
+    "speculative" entry. A self draft of a GGUF target reads the file as the target did (`requantize`)."""
     entry: dict[str, Any] = {"mode": spec.mode, "draft": None, "description": spec.describe(), "k": k}
     if not spec.compiled:
         return entry
@@ -319,9 +325,9 @@ def _compile_draft(spec, target_model: str, stage: Path, target_vocab: int, k: i
     if spec.mode == "model":
         draft_report = compile_model(spec.model, stage / DRAFT_DIR)
     elif spec.mode == "self-int4":
-        draft_report = compile_model(target_model, stage / DRAFT_DIR, passes=SELF_INT4_PASSES)
+        draft_report = compile_model(target_model, stage / DRAFT_DIR, passes=SELF_INT4_PASSES, requantize=requantize)
     else:
-        draft_report = compile_model(target_model, stage / DRAFT_DIR, keep_layers=spec.layers)
+        draft_report = compile_model(target_model, stage / DRAFT_DIR, keep_layers=spec.layers, requantize=requantize)
     from fxllm.runtime.manifest import load_manifest
 
     draft = load_manifest(draft_report.output, verify=False)

@@ -313,3 +313,21 @@ def test_a_q4_1_embedding_is_said_to_be_dequantized_exactly(mixed_gguf):
     assert "Q8_0 and Q4_0 only" in embedding and "exact values, stored as float32" in embedding
     head = next(row for row in record.diagnostics["layers"] if row["weight"].endswith("lm_head"))
     assert head["note"] == "gguf Q4_1 kept"
+
+
+def test_a_self_int4_draft_of_a_gguf(q4_1_file, q4_1_artifact, tmp_path):
+    """`--draft self-int4` (docs/speculative.md's first command, on the built-in GGUF) compiled the whole target,
+    then failed in the draft's compile with a message about --passes the user never gave: the draft's compile
+    did not read the file as the target did. On a target keeping its own blocks it is refused before any work (the
+    draft would decode about as fast as the target); with --requantize the draft is int4 of the float weights and
+    decodes speculatively, the target's greedy tokens unchanged."""
+    with pytest.raises(PipelineError, match=r"^--draft self-int4 quantizes the target's float weights .* add "
+                                            r"--requantize for a float target"):
+        fxllm.compile(str(q4_1_file), tmp_path / "refused", draft="self-int4")
+    assert not (tmp_path / "refused").exists()
+    fxllm.compile(str(q4_1_file), tmp_path / "float", requantize=True)
+    fxllm.compile(str(q4_1_file), tmp_path / "spec", requantize=True, draft="self-int4", spec_k=3)
+    speculative = fxllm.load(tmp_path / "spec")
+    assert greedy(speculative, PROMPTS) == greedy(fxllm.load(tmp_path / "float"), PROMPTS)
+    metrics = speculative.stats().speculative
+    assert metrics.mode == "self-int4" and metrics.target_calls > 0
