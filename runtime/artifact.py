@@ -285,10 +285,7 @@ def _dispose_of_replaced(retired: Path, output: Path) -> None:
 
 def _inside(filename: str | bytes | None, directory: Path) -> bool:
     """Whether an error's file name lies in `directory` (None: the error named none)."""
-    if filename is None:
-        return False
-    path = Path(os.fsdecode(filename))
-    return path == directory or directory in path.parents
+    return filename is not None and Path(os.fsdecode(filename)).is_relative_to(directory)
 
 
 def _unused_name(path: Path) -> Path:

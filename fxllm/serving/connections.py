@@ -58,12 +58,12 @@ class _ConnectionGuard:
     stall_seconds: float
     _head_timer: asyncio.TimerHandle | None = None
     _stall_timer: asyncio.TimerHandle | None = None
+    _refused = False  # answered 408 or 431: what else the client sends is dropped until the connection closes
 
     def _unsupported_upgrade_warning(self) -> None:
         """Say nothing: the server speaks no upgrade (uvicorn runs with ws="none") and answers a request asking
         for one as the plain request it also is. uvicorn logged two warnings for each, the second advising to
         install a WebSocket library, and any client could fill the log with them."""
-    _refused = False  # answered 408 or 431: what else the client sends is dropped until the connection closes
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
