@@ -85,6 +85,20 @@ def slow_server(serve_artifact, tmp_path_factory):
     assert process.terminate() == 0, process.log.read_text()
 
 
+@pytest.fixture(scope="module")
+def load_server(serve_artifact, tmp_path_factory):
+    """The shared server's settings (16 requests decoded at once plus 48 queued, a 2 MB KV pool) with model calls of
+    15 ms (slow_steps_env): a stream to be closed (200 tokens) then runs for 3 s, so its client closes it while it
+    surely still generates even when the machine starves the client (CI's 2 cores beside other work; at full speed
+    the tiny model finished all 10 before a starved client closed them, and no abort was counted)."""
+    directory = tmp_path_factory.mktemp("load")
+    process = ServerProcess(serve_artifact, "--served-model-name", MODEL, "--api-key", API_KEY, "--max-batch", "16",
+                            "--max-queue", "48", "--kv-cache-memory", "2MB", "--threads", "1",
+                            log=directory / "stderr.log", env=slow_steps_env(directory / "site"))
+    yield process
+    assert process.terminate() == 0, process.log.read_text()
+
+
 def test_one_disconnect_frees_its_blocks_at_once(slow_server):
     """A lone stream closed after 3 chunks: its KV blocks are free (and its abort counted) well before it could
     have generated its 200 tokens."""
@@ -103,7 +117,7 @@ def test_one_disconnect_frees_its_blocks_at_once(slow_server):
     print(f"blocks free {freed * 1e3:.0f} ms after the client closed its stream")
 
 
-def test_disconnects_abort_and_free_everything(server, engine):
+def test_disconnects_abort_and_free_everything(load_server, engine):
     """Per round: the 10 closed streams are aborted (the server counts 10 aborts), the 30 others equal the
     in-process engine's greedy text, and afterwards no KV block, engine request or admission is left.
 
@@ -115,17 +129,17 @@ def test_disconnects_abort_and_free_everything(server, engine):
                 for r in engine.generate(ROUND_PROMPTS, max_new_tokens=48)]
     rss = []
     for round_index in range(WARM_UP_ROUNDS + ROUNDS):
-        aborts = server.metrics().get("fxllm_requests_total{finish_reason=abort}", 0)
-        results = one_round(server.url)
+        aborts = load_server.metrics().get("fxllm_requests_total{finish_reason=abort}", 0)
+        results = one_round(load_server.url)
         start = time.monotonic()
-        assert wait_until(lambda: idle(server), timeout=10), server.metrics()
+        assert wait_until(lambda: idle(load_server), timeout=10), load_server.metrics()
         freed_after = time.monotonic() - start
         assert sum(r is None for r in results) == CLOSED
         for i, result in enumerate(results):
             if result is not None:
                 assert result == expected[i], i
-        assert server.metrics()["fxllm_requests_total{finish_reason=abort}"] - aborts == CLOSED
-        rss.append(server.rss_bytes())
+        assert load_server.metrics()["fxllm_requests_total{finish_reason=abort}"] - aborts == CLOSED
+        rss.append(load_server.rss_bytes())
         print(f"round {round_index}: idle {freed_after * 1e3:.0f} ms after the last stream, RSS {rss[-1] >> 10} KiB")
     growth = [later - earlier for earlier, later in zip(rss[WARM_UP_ROUNDS - 1:], rss[WARM_UP_ROUNDS:])]
     assert statistics.median(growth) < RSS_GROWTH_PER_ROUND, [r >> 10 for r in rss]
