@@ -124,6 +124,10 @@ def compile_model(
     resolved_output = check_output(output)
     dump_lock = _check_dump_dir(dump_dir, resolved_output)  # held (closed) by the with-block below
     report = CompileReport(Path(output))
+    float_gguf = _float_gguf_note(source, steps, requantize)
+    if float_gguf:
+        print(f"fxllm: note: {float_gguf}", file=sys.stderr)
+        report.notes.append(float_gguf)
 
     def timed(phase: str, message: str, function, *args, **kwargs):
         status(message)
@@ -280,6 +284,16 @@ def _check_kv_cache_dtype(kv_cache_dtype: Any, calibration: Any, target: str, pr
         raise PipelineError(f"kv_cache_calib must be a text file or a dataset name, got {describe(calibration)}")
     check_calibration_source(calibration, user="kv-cache int8")
     return calibration
+
+
+def _float_gguf_note(source, steps: list, requantize: bool) -> str | None:
+    """What a GGUF compiled with a pass list that has no quantize pass becomes: float32 weights (its blocks
+    dequantized), about 4-8x the file's size, which nothing else in the output says; None otherwise."""
+    if not source.gguf_file or requantize or any(step.name == "quantize" for step in steps):
+        return None
+    return ("this pass list has no quantize pass, so the GGUF's quantized blocks are dequantized to float32 weights "
+            "(a larger artifact than the file); add quantize:method=gguf before kv-cache to keep them exactly, or "
+            "--requantize to say float is meant")
 
 
 def _check_plain_options(passes: Any, keep_layers: Any, requantize: Any, int8_activations: Any) -> None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import fxllm
+from fxllm.compiler.sources import resolve_source
 
 SYSTEM = "You are a concise assistant. Answer in one sentence, with no preamble. "
 QUESTIONS = ["What is the capital of France?", "Name a prime number above 50.", "What colour is the sky?",
@@ -21,11 +22,16 @@ QUESTIONS = ["What is the capital of France?", "Name a prime number above 50.", 
 def main(argv: list[str]) -> None:
     model = argv[1] if len(argv) > 1 else "smollm2-135m"
     output = argv[2] if len(argv) > 2 else f"artifacts/{Path(model).stem}-paged"
-    fxllm.compile(model, output, passes="cleanup,gqa,fuse-projections,select-logits,kv-cache,paged:block_size=16")
+    # An explicit pass list is taken as written: a GGUF (smollm2-135m is one) keeps its own int4 blocks only with
+    # quantize:method=gguf in it, as the default pipeline has.
+    kept_blocks = "quantize:method=gguf," if resolve_source(model).gguf_file else ""
+    fxllm.compile(model, output, passes=f"cleanup,gqa,fuse-projections,select-logits,{kept_blocks}kv-cache,"
+                                        "paged:block_size=16")
 
     engine = fxllm.load(output, kv_cache_memory="128MB", max_batch=32)
     print(f"KV pool: {engine.capacity_tokens():,} tokens")
-    results = engine.generate([SYSTEM + q for q in QUESTIONS], max_new_tokens=32)
+    # chat=True: the model's chat template (an instruct model given raw text may end at once)
+    results = engine.generate([SYSTEM + q for q in QUESTIONS], max_new_tokens=32, chat=True)
     for question, result in zip(QUESTIONS, results):
         print(f"--- {question}\n{result.text.strip()}")
     stats = engine.stats()  # the shared system prompt's full blocks are computed once

@@ -1,4 +1,5 @@
-"""The `fxllm` command: compile, generate, inspect, eval, passes, serve. Errors are one line; -v adds the traceback.
+"""The `fxllm` command: compile, generate, inspect, eval, passes, serve, build-engine. Errors are one line; -v
+adds the traceback.
 
 Exit status: 0 success; 1 a failure the user caused or can fix (a bad argument or file, an artifact or output
 directory fxllm must refuse, permission denied, disk full, out of memory); 2 a bug in fxllm (an internal error);
@@ -37,7 +38,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="fxllm", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="fxllm", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and library warnings")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -276,8 +277,8 @@ def _max_tokens_per_step_flag(parser: argparse.ArgumentParser) -> None:
     """--max-tokens-per-step: fxllm.load's max_tokens_per_step (vLLM's --max-num-batched-tokens, llama.cpp's -b)."""
     parser.add_argument("--max-tokens-per-step", type=int,
                         help="prompt tokens one model call computes: a longer prompt is prefilled in several calls "
-                             "(default 256 on a contiguous artifact; 512 on a paged one, where it is also each "
-                             "iteration's prefill budget)")
+                             "(default 256; a paged artifact admits up to 512 prompt tokens an iteration by "
+                             "default, and N when given)")
 
 
 # --speculative → fxllm.load's speculative argument

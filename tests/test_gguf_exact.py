@@ -157,6 +157,22 @@ def test_requantize_and_quant_flags_on_gguf(q4_1_file, make_tiny_model, tmp_path
     assert place_quantization("cleanup,quantize,kv-cache", None, gguf=True, requantize=True)[0].startswith("cleanup")
 
 
+def test_a_pass_list_without_quantize_says_the_gguf_becomes_float(q4_1_file, tmp_path, capfd):
+    """A GGUF compiled with --passes but no quantize pass is dequantized to float32 (several times the file's size):
+    said in a note, printed and in the report, naming how to keep the blocks; not with --requantize, which says
+    float is meant, nor with quantize:method=gguf in the list."""
+    capfd.readouterr()
+    report = fxllm.compile(str(q4_1_file), tmp_path / "float", passes="cleanup,gqa,kv-cache")
+    err = capfd.readouterr().err
+    assert "fxllm: note: this pass list has no quantize pass" in err and "quantize:method=gguf" in err
+    assert any("dequantized to float32" in note for note in report.notes)
+    for kwargs in ({"passes": "cleanup,gqa,kv-cache", "requantize": True},
+                   {"passes": "cleanup,gqa,quantize:method=gguf,kv-cache"}):
+        report = fxllm.compile(str(q4_1_file), tmp_path / str(len(kwargs)), **kwargs)
+        assert "no quantize pass" not in capfd.readouterr().err
+        assert not any("dequantized to float32" in note for note in report.notes)
+
+
 def test_a_quiet_load_draws_no_gguf_dequantization_bar(q4_1_file, capsys):
     """transformers draws its GGUF dequantization bar with tqdm directly; with fxllm's bars off (stderr is not a
     terminal here) the load prints nothing, and the bar is transformers' own again afterwards."""

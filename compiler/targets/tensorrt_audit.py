@@ -137,7 +137,7 @@ def unverified_forms(model: onnx.ModelProto) -> list[str]:
     if gathered:
         notes.append(f"{gathered} blocked DequantizeLinear(s) of rows a Gather took from the weights (a quantized "
                      "embedding): TensorRT documents blocked dequantization of weights; of gathered rows it is not "
-                     "verified (--quant-embedding float avoids it)")
+                     "verified (--quant-embedding float avoids it; for a GGUF kept as its own blocks, --requantize)")
     if ragged:
         notes.append(f"{ragged} blocked DequantizeLinear(s) with a shorter last block (the input size is not a multiple "
                      "of the group size): allowed by ONNX and ONNX Runtime, not verified on TensorRT")
