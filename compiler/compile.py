@@ -287,13 +287,24 @@ def _check_kv_cache_dtype(kv_cache_dtype: Any, calibration: Any, target: str, pr
 
 
 def _float_gguf_note(source, steps: list, requantize: bool) -> str | None:
-    """What a GGUF compiled with a pass list that has no quantize pass becomes: float32 weights (its blocks
-    dequantized), about 4-8x the file's size, which nothing else in the output says; None otherwise."""
+    """What a GGUF compiled with a pass list that has no quantize pass becomes: float32 weights (its Q4_0 / Q4_1 /
+    Q8_0 blocks, which the default pipeline keeps, dequantized), several times the file's size, which nothing else in
+    the output says; None otherwise (a float GGUF, --requantize, a quantize pass in the list)."""
     if not source.gguf_file or requantize or any(step.name == "quantize" for step in steps):
         return None
-    return ("this pass list has no quantize pass, so the GGUF's quantized blocks are dequantized to float32 weights "
-            "(a larger artifact than the file); add quantize:method=gguf before kv-cache to keep them exactly, or "
-            "--requantize to say float is meant")
+    from fxllm.compiler.gguf_cache import gguf_reader
+    from fxllm.compiler.quant.gguf_exact import EXACT_TYPES
+
+    try:
+        tensors = gguf_reader(Path(source.directory) / source.gguf_file).tensors
+        kept = sum(tensor.tensor_type.name in EXACT_TYPES for tensor in tensors)
+    except Exception:  # noqa: BLE001 - the load that follows says what is wrong with the file
+        return None
+    if not kept:  # a float GGUF: nothing would have been kept
+        return None
+    return (f"this pass list has no quantize pass, so the GGUF's {kept} quantized tensors that the default pipeline "
+            "keeps as their blocks are dequantized to float32 weights (a larger artifact than the file); add "
+            "quantize:method=gguf before kv-cache to keep them exactly, or --requantize to say float is meant")
 
 
 def _check_plain_options(passes: Any, keep_layers: Any, requantize: Any, int8_activations: Any) -> None:

@@ -171,6 +171,9 @@ def test_a_pass_list_without_quantize_says_the_gguf_becomes_float(q4_1_file, tmp
         report = fxllm.compile(str(q4_1_file), tmp_path / str(len(kwargs)), **kwargs)
         assert "no quantize pass" not in capfd.readouterr().err
         assert not any("dequantized to float32" in note for note in report.notes)
+    float_file = write_tiny_gguf(tmp_path / "tiny.F16.gguf", "F16", embedding="F16")  # nothing would be kept
+    report = fxllm.compile(str(float_file), tmp_path / "f16", passes="cleanup,gqa,kv-cache")
+    assert "no quantize pass" not in capfd.readouterr().err and not report.notes
 
 
 def test_a_quiet_load_draws_no_gguf_dequantization_bar(q4_1_file, capsys):
