@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxllm.compiler.pipeline import DEFAULT_PIPELINE
-from fxllm.compiler.sources import ModelSource, check_supported, declared_vocab_size
+from fxllm.compiler.source_checks import check_supported, declared_vocab_size
+from fxllm.compiler.sources import ModelSource
 from fxllm.errors import ModelSourceError, PipelineError, UnsupportedModelError
 from fxllm.runtime.contract import MAX_SPEC_K
 

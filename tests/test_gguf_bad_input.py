@@ -13,7 +13,8 @@ import pytest
 from gguf import GGUFValueType
 
 from fxllm.cli import main
-from fxllm.compiler.sources import check_supported, resolve_source
+from fxllm.compiler.source_checks import check_supported
+from fxllm.compiler.sources import resolve_source
 from fxllm.errors import ModelSourceError
 from tests.gguf_files import Typed
 

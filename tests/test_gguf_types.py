@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source, source_architecture
+from fxllm.compiler.source_checks import source_architecture
+from fxllm.compiler.sources import load_model, load_tokenizer, resolve_source
 from tests.gguf_files import smollm2_cut
 
 TEXT = "The capital of France is Paris, and the capital of Germany is"

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 from gguf import GGUFValueType
 
-from fxllm.compiler.sources import (
-    DEFAULT_MODEL,
-    DEFAULT_MODEL_FILE,
-    resolve_source,
-    source_architecture,
-)
+from fxllm.compiler.source_checks import source_architecture
+from fxllm.compiler.sources import DEFAULT_MODEL, DEFAULT_MODEL_FILE, resolve_source
 from fxllm.errors import ModelSourceError
 from tests.gguf_files import Typed
 
@@ -112,7 +108,7 @@ def test_a_huge_context_is_refused_before_loading(tiny_hf, tmp_path):
     """A GGUF stating a 1e9-token context compiled after ONNX Runtime logged a failed 32 GB allocation (the
     attention-rotary tables); it is refused in one line before any weight is loaded, as is a config.json's."""
     import fxllm
-    from fxllm.compiler.sources import check_supported
+    from fxllm.compiler.source_checks import check_supported
     from tests.gguf_files import write_gguf
 
     path = write_gguf(tiny_hf, tmp_path / "huge.gguf", overrides={"llama.context_length": 10**9})
@@ -230,7 +226,7 @@ def test_gguf_sizes_must_be_positive_integers(tiny_hf, tmp_path, key, value, mes
     failed in transformers with messages that named neither the key nor the file."""
     from gguf import GGUFValueType
 
-    from fxllm.compiler.sources import check_supported
+    from fxllm.compiler.source_checks import check_supported
     from tests.gguf_files import Typed, write_gguf
 
     kind, raw = value
@@ -244,7 +240,7 @@ def test_gguf_sizes_must_be_positive_integers(tiny_hf, tmp_path, key, value, mes
     (33, r"tensor blk\.0\.attn_q\.weight starts at data offset 33, not a multiple of the file's alignment \(32\)"),
 ])
 def test_gguf_tensor_offsets_must_be_aligned_and_disjoint(tiny_hf, tmp_path, offset, message):
-    from fxllm.compiler.sources import check_supported
+    from fxllm.compiler.source_checks import check_supported
     from tests.gguf_files import patch_tensor_offset, write_gguf
 
     path = write_gguf(tiny_hf, tmp_path / "m.gguf", "Q8_0")
@@ -278,7 +274,7 @@ def test_a_truncated_gguf_is_named_as_such_without_allocating(tiny_hf, tmp_path,
     import resource
     import struct
 
-    from fxllm.compiler.sources import check_supported
+    from fxllm.compiler.source_checks import check_supported
     from tests.gguf_files import write_gguf
 
     path = write_gguf(tiny_hf, tmp_path / "m.gguf")
@@ -366,7 +362,7 @@ def test_a_load_failure_without_a_message_still_says_what_happened():
 def test_config_numbers_out_of_range_are_named_before_loading(tiny_hf, tmp_path, change, message):
     """A negative rope_theta or epsilon compiled, and the non-finite logits it caused were blamed on the weights
     ("its weights hold NaN or inf"); a GGUF header's were already refused by name."""
-    from fxllm.compiler.sources import check_supported
+    from fxllm.compiler.source_checks import check_supported
 
     directory = edited_copy(tiny_hf, tmp_path / "hf", config=_config(**change))
     with pytest.raises(ModelSourceError, match=rf"config\.json: {message}$"):
@@ -401,7 +397,7 @@ def test_a_tokenizer_that_does_not_survive_being_saved_is_refused(tiny_hf, tmp_p
 def test_a_generation_config_that_is_not_an_object_is_named(tiny_hf, tmp_path, content):
     """A generation_config.json holding a list failed as "a config value has the wrong type ('list' object is not a
     mapping)", naming no file."""
-    from fxllm.compiler.sources import check_supported
+    from fxllm.compiler.source_checks import check_supported
 
     directory = edited_copy(tiny_hf, tmp_path / "hf")
     (directory / "generation_config.json").write_text(content)
