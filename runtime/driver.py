@@ -56,6 +56,10 @@ class CoreDriver:
                 raise GenerationError("the engine is shutting down and accepts no new requests")
             ids = [request.request_id for request in made]
             taken = next((i for i in ids if i in self._sinks), None)
+            if taken is not None and self._sinks[taken] is _discard:
+                raise GenerationError(f"request id {taken!r:.60} is still in use: its request ended (aborted or "
+                                      "failed), and its final output comes with the next step; use another id, or "
+                                      "this one after that step")
             if taken is not None:
                 raise GenerationError(f"request id {taken!r:.60} is already in use by an unfinished request")
             repeated = _first_repeated(ids)
@@ -98,8 +102,8 @@ class CoreDriver:
         """Abort without waiting: the abort is applied before the next step runs, whichever thread runs it (a
         thread waiting for the step lock could otherwise watch the stepping thread win it again and again)."""
         with self._lock:
-            if not notify:
-                self._sinks.pop(request_id, None)
+            if not notify and request_id in self._sinks:
+                self._sinks[request_id] = _discard  # the id stays taken until the core's final output has passed
             self._aborts.append(request_id)
             self._queued += 1
 
@@ -229,3 +233,8 @@ def _first_repeated(ids: list[str]) -> str | None:
             return request_id
         seen.add(request_id)
     return None
+
+
+def _discard(output: RequestOutput) -> None:
+    """The sink of a request aborted without notice: what it still outputs goes nowhere. It holds the request's id
+    until the core's final output for it has passed, so that a new request of that id does not receive it."""

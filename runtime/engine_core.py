@@ -268,8 +268,14 @@ class EngineCore:
     # -- helpers ----------------------------------------------------------------------------------------------------
 
     def _check_duplicate(self, request_id: str) -> None:
+        """An id is in use until step() has returned its request's final output: an aborted request's comes with
+        the next step, and a new request of that id meanwhile made two requests' outputs indistinguishable."""
         if request_id in self._requests:
             raise GenerationError(f"request id {request_id!r:.60} is already in use by an unfinished request")
+        if any(output.request_id == request_id and output.finished for output in self._ready):
+            raise GenerationError(f"request id {request_id!r:.60} is still in use: its request ended (aborted or "
+                                  "failed), and its final output comes with the next step; use another id, or this "
+                                  "one after that step")
 
     def get_request(self, request_id: str) -> Request | None:
         """An unfinished request's state."""

@@ -209,6 +209,30 @@ def test_a_batch_that_repeats_a_request_id_names_that_id(paged_artifact):
     assert not engine.driver.has_work() and engine.stats().waiting == 0
 
 
+def test_an_aborted_id_is_taken_until_its_end_has_passed(paged_artifact, alone):
+    """A request aborted without notice (a cancelled stream) still ends with an output the next step delivers: until
+    then its id is refused, naming why, in the driver and the core alike; afterwards the id runs a new request to
+    its own end. (A new request of that id got the old one's "abort" at once, and its own tokens went nowhere.)"""
+    ids, results = alone
+    engine = fxllm.load(paged_artifact)
+    driver, first, second = engine.driver, [], []
+    driver.submit([("x", ids[0], SamplingParams(max_tokens=NEW32[0]))], [first.append])
+    driver.step()
+    driver.abort("x", notify=False)
+    with pytest.raises(GenerationError, match="^request id 'x' is still in use: its request ended"):
+        driver.submit([("x", ids[1], SamplingParams(max_tokens=NEW32[1]))], [second.append])
+    with pytest.raises(GenerationError, match="^request id 'x' is still in use: its request ended"):
+        engine.core.add_request("x", ids[1], SamplingParams(max_tokens=NEW32[1]))
+    driver.step()  # delivers the abort's end to nobody
+    driver.submit([("x", ids[1], SamplingParams(max_tokens=NEW32[1]))], [second.append])
+    while driver.step():
+        pass
+    assert len(first) == 1 and not first[0].finished  # the first step's output; nothing after the abort
+    assert [t for out in second for t in out.new_token_ids] == results[1].token_ids
+    assert second[-1].finish_reason == results[1].finish_reason and sum(out.finished for out in second) == 1
+    assert_pool_whole(engine)
+
+
 def test_bad_input_is_refused_at_once_and_the_core_keeps_running(paged_artifact, alone, caplog):
     ids, expected = alone
     engine = fxllm.load(paged_artifact, kv_blocks=48)
