@@ -201,25 +201,31 @@ class PagedScheduler(_Queues):
     def _decode(self) -> ScheduledBatch:
         copies: list[tuple[int, int]] = []
         preempted: list[Request] = []
-        drafts: dict[int, list[int]] = {}
-        for request in list(self.running):
+        for request in list(self.running):  # every row's own token first: only that preempts anyone
             if request not in self.running:
                 continue  # preempted while making room for an earlier one
-            row_drafts = list(request.spec_token_ids or []) if self.speculative else []
             while True:
                 try:
-                    copies += self.manager.append_slots(request.seq_id, 1 + len(row_drafts))
-                    drafts[request.seq_id] = row_drafts
+                    copies += self.manager.append_slots(request.seq_id, 1)
                     break
                 except OutOfBlocks:
-                    if row_drafts:  # speculation is optional: this row decodes plainly before anyone is preempted
-                        row_drafts = []
-                        continue
                     victim = self.running.pop()  # the most recently admitted
                     self._preempt(victim)
                     preempted.append(victim)
                     if victim is request:
                         break
+        # then drafts where blocks are left, earlier rows first: speculation is optional, so every row decodes plainly
+        # before anyone is preempted (placing a row's drafts with its token let an earlier row's drafts take the
+        # blocks a later row needed for its one token)
+        drafts: dict[int, list[int]] = {}
+        for request in self.running:
+            row_drafts = list(request.spec_token_ids or []) if self.speculative else []
+            if row_drafts:
+                try:
+                    copies += self.manager.append_slots(request.seq_id, len(row_drafts))
+                except OutOfBlocks:
+                    row_drafts = []
+            drafts[request.seq_id] = row_drafts
         tokens, positions = self._decode_rows()
         rows = [drafts[r.seq_id] for r in self.running] if self.speculative else None
         if rows is not None:

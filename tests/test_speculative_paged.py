@@ -290,3 +290,30 @@ def test_a_wrong_unrolled_graph_is_refused_at_load(self_int4_artifact, tmp_path)
                           if key not in ("kind", "format_version", "files")})
     with pytest.raises(ArtifactError, match="'model.unrolled.onnx' does not match the draft's manifest"):
         fxllm.load(copy, unrolled_draft=True)
+
+
+def test_every_row_decodes_plainly_before_anyone_is_preempted(tiny_paged_artifact, monkeypatch):
+    """Drafts are optional: with one block free, where the first row's drafts would take it and the second row needs
+    it for its one token, the first row drops its drafts and nobody is preempted (the first row kept them and the
+    second was preempted: a full recompute). Every row proposes 4 drafts here; the greedy tokens stay plain
+    decoding's through the preemptions the small pool needs later."""
+    from fxllm.runtime.speculative import NgramProposer
+
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, tokens: [int(tokens[-1])] * self.k)
+    prompts = {"A": list(range(100, 107)), "B": list(range(200, 208))}  # 2 blocks of 4 each, A's with a slot free
+    engine = fxllm.load(tiny_paged_artifact, kv_blocks=5, speculative="ngram", spec_k=4)
+    scheduler = engine.core.scheduler
+    decode, batches = scheduler._decode, []
+    monkeypatch.setattr(scheduler, "_decode", lambda: batches.append(decode()) or batches[-1])
+    for request_id, ids in prompts.items():
+        engine.core.add_request(request_id, ids, SamplingParams(max_tokens=10))
+    tokens = {request_id: [] for request_id in prompts}
+    while engine.core.has_unfinished():
+        for output in engine.core.step():
+            tokens[output.request_id] += output.new_token_ids
+    first = batches[0]
+    assert [(r.request_id, len(d)) for r, d in zip(first.requests, first.drafts)] == [("A", 0), ("B", 0)]
+    assert first.preempted == []
+    plain = fxllm.load(tiny_paged_artifact)
+    assert [tokens[i] for i in prompts] == [r.token_ids for r in plain.generate_ids(list(prompts.values()), 10)]
+    assert_pool_whole(engine)
