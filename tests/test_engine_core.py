@@ -282,7 +282,7 @@ def test_a_failing_model_call_fails_only_its_requests(paged_artifact, alone):
     failing = FailingBackend(engine.runner.backend)
     assert isinstance(failing, Backend)
     engine.runner.backend = failing
-    core, manager = engine.core, engine.core.scheduler.manager
+    core = engine.core
 
     def run(requests: dict[str, int], arm_after: int, rows: int) -> dict:
         for rid, i in requests.items():
