@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from fxllm.errors import GenerationError
-from fxllm.runtime.engine_core import EngineCore
+from fxllm.runtime.engine_core import EngineCore, request_id_in_use
 from fxllm.runtime.interruption import ctrl_c_after
 from fxllm.runtime.request import Request, RequestOutput, SamplingParams
 
@@ -56,12 +56,8 @@ class CoreDriver:
                 raise GenerationError("the engine is shutting down and accepts no new requests")
             ids = [request.request_id for request in made]
             taken = next((i for i in ids if i in self._sinks), None)
-            if taken is not None and self._sinks[taken] is _discard:
-                raise GenerationError(f"request id {taken!r:.60} is still in use: its request ended (aborted or "
-                                      "failed), and its final output comes with the next step; use another id, or "
-                                      "this one after that step")
             if taken is not None:
-                raise GenerationError(f"request id {taken!r:.60} is already in use by an unfinished request")
+                raise request_id_in_use(taken, ended=self._sinks[taken] is _discard)
             repeated = _first_repeated(ids)
             if repeated is not None:
                 raise GenerationError(f"request id {repeated!r:.60} is given to more than one request of the batch")

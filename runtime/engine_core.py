@@ -271,11 +271,9 @@ class EngineCore:
         """An id is in use until step() has returned its request's final output: an aborted request's comes with
         the next step, and a new request of that id meanwhile made two requests' outputs indistinguishable."""
         if request_id in self._requests:
-            raise GenerationError(f"request id {request_id!r:.60} is already in use by an unfinished request")
+            raise request_id_in_use(request_id, ended=False)
         if any(output.request_id == request_id and output.finished for output in self._ready):
-            raise GenerationError(f"request id {request_id!r:.60} is still in use: its request ended (aborted or "
-                                  "failed), and its final output comes with the next step; use another id, or this "
-                                  "one after that step")
+            raise request_id_in_use(request_id, ended=True)
 
     def get_request(self, request_id: str) -> Request | None:
         """An unfinished request's state."""
@@ -329,3 +327,13 @@ def _one_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     first = lines[0] if lines else ""
     return first if isinstance(exc, FxllmError) and first else f"{type(exc).__name__}: {first}".rstrip(": ")
+
+
+def request_id_in_use(request_id: str, ended: bool) -> GenerationError:
+    """The error for a request id already taken: by an unfinished request, or (`ended`) by one that ended (aborted or
+    failed) and whose final output the next step still delivers."""
+    if ended:
+        return GenerationError(f"request id {request_id!r:.60} is still in use: its request ended (aborted or "
+                               "failed), and its final output comes with the next step; use another id, or this one "
+                               "after that step")
+    return GenerationError(f"request id {request_id!r:.60} is already in use by an unfinished request")
