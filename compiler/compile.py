@@ -13,13 +13,13 @@ from typing import IO, Any
 from fxllm.runtime.artifact import check_output, staging_directory, write_manifest
 from fxllm.runtime.write_leftovers import remove_leftovers
 from fxllm.compiler.dump import clear_previous_dump
-from fxllm.compiler.gguf_cache import gguf_reader, sharing_gguf_readers
+from fxllm.compiler.gguf_cache import sharing_gguf_readers
 from fxllm.compiler.pass_manager import PassRecord, run_pipeline
 from fxllm.compiler.draft import (SELF_INT4_PASSES, check_draft_source, check_layers, check_same_tokenizer,
                                   check_same_vocab, parse_draft, truncate_layers)
 from fxllm.compiler.pipeline import build_pipeline, check_dtype, parse_pipeline, place_dtype, place_quantization
 from fxllm.progress import status
-from fxllm.compiler.source_checks import check_supported, gguf_path
+from fxllm.compiler.source_checks import check_supported, gguf_header
 from fxllm.compiler.sources import (ModelSource, custom_code_ignored, load_model, load_tokenizer, resolve_source,
                                     tokenizer_origin)
 from fxllm.errors import ArtifactError, ModelSourceError, PipelineError, UnsupportedModelError
@@ -295,11 +295,8 @@ def _float_gguf_note(source, steps: list, requantize: bool) -> str | None:
         return None
     from fxllm.compiler.quant.gguf_exact import EXACT_TYPES
 
-    try:
-        tensors = gguf_reader(gguf_path(source)).tensors
-        kept = sum(tensor.tensor_type.name in EXACT_TYPES for tensor in tensors)
-    except Exception:  # noqa: BLE001 - the load that follows says what is wrong with the file
-        return None
+    # the header check_supported has read (shared within the compile: compiler/gguf_cache.py)
+    kept = sum(tensor.tensor_type.name in EXACT_TYPES for tensor in gguf_header(source).tensors)
     if not kept:  # a float GGUF: nothing would have been kept
         return None
     return (f"this pass list has no quantize pass, so the GGUF's {kept} quantized tensors that the default pipeline "
