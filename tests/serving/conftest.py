@@ -128,12 +128,16 @@ def engine(serve_artifact):
     return fxllm.load(serve_artifact)
 
 
+# The shared server's options: API key set, 16 requests decoded at once plus 48 queued, a small KV pool (2 MB: the
+# memory test touches all of it in its warm-up rounds).
+SHARED_SERVER_OPTIONS = ("--served-model-name", MODEL, "--api-key", API_KEY, "--max-batch", "16", "--max-queue", "48",
+                         "--kv-cache-memory", "2MB", "--threads", "1")
+
+
 @pytest.fixture(scope="session")
 def server(serve_artifact, tmp_path_factory):
-    """The shared server: API key set, 16 requests decoded at once plus 48 queued, a small KV pool (2 MB: the
-    memory test touches all of it in its warm-up round)."""
-    process = ServerProcess(serve_artifact, "--served-model-name", MODEL, "--api-key", API_KEY, "--max-batch", "16",
-                            "--max-queue", "48", "--kv-cache-memory", "2MB", "--threads", "1",
+    """The shared server (SHARED_SERVER_OPTIONS)."""
+    process = ServerProcess(serve_artifact, *SHARED_SERVER_OPTIONS,
                             log=tmp_path_factory.mktemp("server") / "stderr.log",
                             env={**os.environ, "FXLLM_API_KEY": ""})
     yield process

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.conftest import PROMPTS
-from tests.serving.conftest import API_KEY, MODEL, ServerProcess, slow_steps_env, wait_until
+from tests.serving.conftest import API_KEY, MODEL, SHARED_SERVER_OPTIONS, ServerProcess, slow_steps_env, wait_until
 from tests.serving.raw_http import read_body, read_head
 
 STREAMS, CLOSED = 40, 10  # per round; every 4th stream is closed by its client after 3 chunks
@@ -92,9 +92,8 @@ def load_server(serve_artifact, tmp_path_factory):
     surely still generates even when the machine starves the client (CI's 2 cores beside other work; at full speed
     the tiny model finished all 10 before a starved client closed them, and no abort was counted)."""
     directory = tmp_path_factory.mktemp("load")
-    process = ServerProcess(serve_artifact, "--served-model-name", MODEL, "--api-key", API_KEY, "--max-batch", "16",
-                            "--max-queue", "48", "--kv-cache-memory", "2MB", "--threads", "1",
-                            log=directory / "stderr.log", env=slow_steps_env(directory / "site"))
+    process = ServerProcess(serve_artifact, *SHARED_SERVER_OPTIONS, log=directory / "stderr.log",
+                            env=slow_steps_env(directory / "site"))
     yield process
     assert process.terminate() == 0, process.log.read_text()
 
