@@ -70,7 +70,7 @@ class Drafter:
             if params.greedy:
                 token = int(logits.argmax())
             else:
-                probs = processed_probs(logits, params.temperature, params.top_k, params.top_p)
+                probs = processed_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
                 token = sample(probs, rng)
                 distributions.append(probs)
             proposals.append(token)

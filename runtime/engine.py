@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -273,10 +274,12 @@ class Engine:
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
-                 chat: bool = False) -> GenerationResult | list[GenerationResult]:
-        """Generate for one prompt (returns one result) or a list of prompts of any lengths (returns a list)."""
+                 chat: bool = False, **adjustments: Any) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (returns one result) or a list of prompts of any lengths (returns a list).
+        adjustments (keyword only, as SamplingParams): min_p, presence_penalty, frequency_penalty,
+        repetition_penalty, logit_bias ({token id: bias}); so for generate_ids, stream and sampling_params."""
         texts, single = check_prompts(prompts)
-        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
+        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat, **adjustments)
         results = self._run([self._encode_row(i, t, request.chat, single) for i, t in enumerate(texts)], request,
                             texts, None if single else "prompts")
         return results[0] if single else results
@@ -292,10 +295,11 @@ class Engine:
 
     def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                     stop: str | list[str] | None = None, prompts: list[str] | None = None) -> list[GenerationResult]:
+                     stop: str | list[str] | None = None, prompts: list[str] | None = None,
+                     **adjustments: Any) -> list[GenerationResult]:
         """Like generate, from token ids (ints in [0, vocab_size)). The requests join whatever else the engine is
         running."""
-        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, **adjustments)
         rows = check_prompt_ids(prompt_ids, self.spec.vocab_size)
         return self._run(rows, request, check_prompt_labels(prompts, len(rows)), "prompt_ids")
 
@@ -337,11 +341,11 @@ class Engine:
 
     def stream(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
-               chat: bool = False) -> Iterator[str]:
+               chat: bool = False, **adjustments: Any) -> Iterator[str]:
         """Yield the generated text piece by piece as tokens are decoded. The arguments are checked (and the prompt
         tokenized) now, before the first piece is asked for; the request starts then; closing the iterator aborts
         it."""
-        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
+        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat, **adjustments)
         ids = self.encode(prompt, request.chat)
         params = self._capped(request, ids)
         ids = self.core.check(ids, params)
@@ -372,9 +376,9 @@ class Engine:
 
     def sampling_params(self, prompt_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.0,
                         top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                        stop: str | list[str] | None = None) -> SamplingParams:
+                        stop: str | list[str] | None = None, **adjustments: Any) -> SamplingParams:
         """generate()'s options for this prompt as SamplingParams (checked as generate checks them)."""
-        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, **adjustments)
         return self._capped(request, check_token_ids("prompt_ids", prompt_ids, self.spec.vocab_size))
 
     def _capped(self, request: GenerationRequest, prompt_ids: list[int], output_kind: str = "delta") -> SamplingParams:

@@ -79,8 +79,8 @@ class EngineCore:
     def check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids once prompt and params are checked for this model (InvalidArgumentError naming the
         argument, as the Python API's checks: runtime/request_validation.py): a valid-Unicode text or token ids of the
-        vocabulary; not empty; prompt + max_tokens within the context and within the KV pool; stop_token_ids within
-        the vocabulary."""
+        vocabulary; not empty; prompt + max_tokens within the context and within the KV pool; stop_token_ids and
+        logit_bias's ids within the vocabulary."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError("params", f"params must be a SamplingParams, got {describe(params)}")
         if isinstance(prompt, str):
@@ -89,6 +89,8 @@ class EngineCore:
             ids = check_token_ids("prompt", prompt, self.vocab_size)
         check_prompt_length(len(ids), params.max_tokens, self.max_context)
         check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)  # one outside could never stop
+        check_token_ids("logit_bias keys", [token for token, _ in params.logit_bias], self.vocab_size,
+                        param="logit_bias")  # numpy would index past the row, or wrap a negative id
         self.scheduler.check_fits(len(ids), params.max_tokens)
         return ids
 
@@ -178,7 +180,11 @@ class EngineCore:
         prompt_logits = out.all_logits or [None] * len(batch.requests)
         if not batch.sample:
             return [SampledTokens([], None, logits) for logits in prompt_logits]
-        tokens = sample_rows(out.logits, [r.sampler for r in batch.requests])
+        logits = out.logits
+        if any(request.logits_adjuster is not None for request in batch.requests):
+            logits = np.concatenate([request.sampling_logits(logits[row:row + 1])
+                                     for row, request in enumerate(batch.requests)])
+        tokens = sample_rows(logits, [r.sampler for r in batch.requests])
         return [SampledTokens([int(token)], out.logits[row:row + 1], prompt_logits[row])
                 for row, token in enumerate(tokens)]
 

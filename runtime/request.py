@@ -4,9 +4,11 @@ RequestOutput (what one engine step produced for it)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import islice
+from typing import Any
 
 from fxllm.errors import InvalidArgumentError
 from fxllm.runtime.checks import describe, flag, integer, integers, real, strings
@@ -18,6 +20,11 @@ MAX_LOGPROBS = 20  # most alternatives per position (the OpenAI API's top_logpro
 # with 330,000 of them (a 3 MB body) slowed every other request 18x. OpenAI's API takes 4; these bounds leave room.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+# logit_bias entries are applied to every row a request samples from; OpenAI bounds each bias to [-100, 100] (-100
+# bans a token, 100 all but forces it). The count bound keeps a request body from carrying a vocabulary-sized table.
+MAX_LOGIT_BIAS = 1024
+MAX_BIAS = 100.0
+MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range [-2, 2]
 OUTPUT_KINDS = ("delta", "final")
 
 # Temperatures in (0, MIN_TEMPERATURE) sample greedily (argmax). As the temperature falls the distribution
@@ -42,7 +49,15 @@ class SamplingParams:
     shown); ignore_eos: do not stop at the model's EOS ids.
     logprobs: None, or N >= 0: every generated token's logprob plus the N most likely alternatives;
     prompt_logprobs: the same for every prompt token (the first has none), in the first output.
-    Logprobs are log-softmax of the model's logits, before temperature/top-k/top-p.
+    Logprobs are log-softmax of the model's logits, before logit_bias, penalties, temperature, min-p, top-k, top-p.
+    min_p: a finite number in [0, 1]: after temperature, tokens less likely than min_p times the most likely one are
+    dropped (0: off).
+    logit_bias: {token id: bias in [-100, 100]} added to those logits before sampling (at most MAX_LOGIT_BIAS
+    entries; stored as sorted (id, bias) pairs). Then, as vLLM: repetition_penalty (> 0, 1: off) divides the positive
+    logits and multiplies the negative ones of every token in the prompt or the output so far;
+    frequency_penalty and presence_penalty (each in [-2, 2], 0: off) subtract penalty × the token's count in the
+    output so far, and penalty once for a token that occurs in it (OpenAI's formula). All of these apply to greedy
+    requests too (their argmax is then taken over the adjusted logits); runtime/logits_adjustment.py.
     output_kind: "delta" (an output every step, with that step's tokens, text and logprobs: streaming) or "final"
     (one output when the request finishes, with all of them: vLLM's FINAL_ONLY; no per-step outputs, and without
     stop strings the text is decoded once at the end). A request that fails gets its error, not its tokens."""
@@ -58,6 +73,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: str = "delta"
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -73,6 +93,11 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 set_(self, name, integer(name, getattr(self, name), minimum=0, maximum=MAX_LOGPROBS))
+        set_(self, "min_p", real("min_p", self.min_p, minimum=0.0, maximum=1.0))
+        for name in ("presence_penalty", "frequency_penalty"):
+            set_(self, name, real(name, getattr(self, name), minimum=-MAX_PENALTY, maximum=MAX_PENALTY))
+        set_(self, "repetition_penalty", real("repetition_penalty", self.repetition_penalty, above=0.0))
+        set_(self, "logit_bias", _logit_bias(self.logit_bias))
         if not isinstance(self.output_kind, str) or self.output_kind not in OUTPUT_KINDS:
             raise InvalidArgumentError("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
                                                       f"{describe(self.output_kind)}")
@@ -80,6 +105,36 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logit_bias or a penalty changes the logits this request samples from."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 or \
+            self.repetition_penalty != 1
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (or (id, bias) pairs) → sorted (id, bias) pairs; ids are checked against the vocabulary by
+    the engine core."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items = list(islice(value.items(), MAX_LOGIT_BIAS + 1))
+    elif isinstance(value, tuple) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in value):
+        items = list(value)  # the stored form (dataclasses.replace passes it again)
+    else:
+        raise InvalidArgumentError("logit_bias", f"logit_bias must be a mapping of token ids to biases, got "
+                                                 f"{describe(value)}")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise InvalidArgumentError("logit_bias", f"logit_bias holds more than {MAX_LOGIT_BIAS} entries")
+    pairs = {}
+    for token, bias in items:
+        token = integer("a logit_bias key (a token id)", token, minimum=0, param="logit_bias")
+        try:
+            pairs[token] = real("logit_bias", bias, minimum=-MAX_BIAS, maximum=MAX_BIAS)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError("logit_bias", f"logit_bias[{token}]: {exc}") from None
+    return tuple(sorted(pairs.items()))
 
 
 @dataclass(frozen=True)
@@ -124,6 +179,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
                  prompt: str | None = None, seq_id: int = 0):
+        from fxllm.runtime.logits_adjustment import adjuster
         from fxllm.runtime.sampler import Sampler
 
         self.request_id = request_id
@@ -140,6 +196,7 @@ class Request:
         self.seq_id = seq_id  # the block manager's key
         self.num_computed_tokens = 0
         self.sampler = Sampler(params, 1)  # this request's own seeded stream
+        self.logits_adjuster = adjuster(params, self.prompt_token_ids)  # None: params change no logit
         self.final_only = params.output_kind == "final"
         self.detokenizer = (FinalDetokenizer(tokenizer) if self.final_only and not params.stop
                             else IncrementalDetokenizer(tokenizer, list(params.stop)))
@@ -173,6 +230,13 @@ class Request:
         """The generated text so far (cut before a stop string; a final-only request without stop strings: empty
         until it finishes)."""
         return self.detokenizer.text
+
+    def sampling_logits(self, logits, drafts: list[int] | tuple[int, ...] = ()):
+        """The logits [n, V] this request samples from (logit_bias and penalties applied; the same array when its
+        params have none): row i comes after its output so far and drafts[:i]."""
+        if self.logits_adjuster is None:
+            return logits
+        return self.logits_adjuster(logits, self.output_token_ids, drafts)
 
     def append_token(self, token: int, eos_token_ids: Iterable[int]) -> str:
         """Record a sampled token; returns the text that became final. Sets finish_reason when the token ends the

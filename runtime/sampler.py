@@ -1,4 +1,5 @@
-"""Token sampling from next-token logits: greedy, temperature, top-k and top-p (nucleus)."""
+"""Token sampling from next-token logits: greedy, temperature, min-p, top-k and top-p (nucleus). A request's
+logit_bias and penalties are applied before (runtime/logits_adjustment.py, through Request.sampling_logits)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def checked_logits(logits: np.ndarray) -> np.ndarray:
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution sampling draws from, rows of [B,V]: temperature, then top-k, then top-p, renormalized
+    """The distribution sampling draws from, rows of [B,V]: temperature, then min-p, top-k and top-p, renormalized
     (float64). Greedy params give the one-hot argmax. Never returns non-finite probabilities: it raises instead."""
     if params.greedy:
         probs = np.zeros(logits.shape, dtype=np.float64)
@@ -56,6 +57,9 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         return probs
     logits = checked_logits(logits)
     scaled = logits.astype(np.float64) / params.temperature
+    if params.min_p > 0:  # p / p_max >= min_p, in log space: no softmax needed for it
+        floor = scaled.max(-1, keepdims=True) + np.log(params.min_p)
+        scaled = np.where(scaled < floor, -np.inf, scaled)
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -params.top_k, axis=-1)[:, -params.top_k][:, None]
         scaled = np.where(scaled < kth, -np.inf, scaled)

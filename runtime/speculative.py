@@ -21,13 +21,15 @@ RULES = (EXACT_RULE, BIASED_RULE)
 _RESIDUAL_EPS = 1e-12
 
 
-def processed_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
-    """logits [..., V] → float64 probabilities [..., V]: temperature, then top-k, then top-p, renormalized — the same
-    processing as the sampler (sampler.probabilities). Draft and target must both go through it with the same
+def processed_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0) -> np.ndarray:
+    """logits [..., V] → float64 probabilities [..., V]: temperature, then min-p, top-k and top-p, renormalized — the
+    same processing as the sampler (sampler.probabilities). The target's rows go through it with the request's
     settings; greedy (temperature 0 or below sampler.MIN_TEMPERATURE) gives the one-hot argmax."""
     logits = np.asarray(logits)
     rows = logits.reshape(-1, logits.shape[-1])
-    return probabilities(rows, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)).reshape(logits.shape)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return probabilities(rows, params).reshape(logits.shape)
 
 
 def one_hot_probs(tokens: list[int] | np.ndarray, vocab_size: int) -> np.ndarray:

@@ -44,7 +44,7 @@ class SpeculativeDecoder(Speculator):
             cache.ceiling = batch_columns(len(request.prompt_token_ids), request.params.max_tokens + self.k,
                                           self.context)
         logits = self.target.step_one(cache, request.prompt_token_ids, 0, all_logits=prompt_logits)
-        token = int(sample_rows(logits[-1:], [request.sampler])[0])
+        token = int(sample_rows(request.sampling_logits(logits[-1:]), [request.sampler])[0])
         return SampledTokens([token], logits[-1:], logits if prompt_logits else None)
 
     def _round(self, request: Request, _: bool) -> SampledTokens:

@@ -69,8 +69,9 @@ class Speculator:
         """One sequence's round: target_logits [len(proposals) + 1, V] at [t, d1..dk]; the tokens to emit (the
         accepted drafts and one corrected or bonus token) and how many fed tokens' KV stays (t and the accepted)."""
         params, greedy = request.params, request.params.greedy
-        target_probs = target_logits if greedy else processed_probs(target_logits, params.temperature, params.top_k,
-                                                                    params.top_p)
+        logits = request.sampling_logits(target_logits, proposals)  # row i after the drafts before it
+        target_probs = logits if greedy else processed_probs(logits, params.temperature, params.top_k, params.top_p,
+                                                             params.min_p)
         pending, accepted = verify_draft(np.asarray(proposals, dtype=np.int64), draft_probs, target_probs,
                                          request.sampler.rngs[0], greedy=greedy, rule=self.rule)
         self.stats.record(len(proposals), accepted)

@@ -16,8 +16,10 @@ import torch
 import fxllm
 from fxllm.errors import ArtifactError, InvalidArgumentError
 from fxllm.runtime.request import SamplingParams
+from fxllm.runtime.sampler import probabilities
 from fxllm.runtime.speculative import BIASED_RULE, EXACT_RULE, processed_probs
 from tests.conftest import PROMPTS, TINY_PAGED_PASSES
+from tests.test_logits_adjustment import reference_adjust
 from tests.test_engine_core import FailingBackend, assert_pool_whole
 from tests.test_speculative_sampling import PROMPT, VOCAB, _chi_square_p, _tiny_llama
 
@@ -168,25 +170,39 @@ def vocab12_artifact(tmp_path_factory):
     return output
 
 
-def _exact_pair_distribution() -> np.ndarray:
-    """P(t1, t2): the target's joint of the second and third generated tokens, the first summed out [V, V]."""
+# logit_bias, penalties and min-p: each drafted position's distribution then depends on the drafts before it
+ADJUSTED = dict(logit_bias={5: 1.5, 8: -2.0}, repetition_penalty=1.8, frequency_penalty=0.9, presence_penalty=0.6,
+                min_p=0.03)
+
+
+def _exact_pair_distribution(adjusted: dict | None = None) -> np.ndarray:
+    """P(t1, t2): the target's joint of the second and third generated tokens, the first summed out [V, V], each
+    token's distribution from its logits adjusted by hand for the tokens before it (tests/test_logits_adjustment.py's
+    reference_adjust), then tempered (1.0) and cut by min-p."""
+    params = SamplingParams(temperature=1.0, **(adjusted or {}))
     target = _tiny_llama(0)
     with torch.no_grad():
         prefixes = torch.tensor([PROMPT + list(p) for p in itertools.product(range(VOCAB), repeat=2)])
-        logits = target(prefixes).logits.double().numpy()
+        logits = target(prefixes).logits.double().numpy()  # row a·V + b: the prompt, then a, then b
     n = len(PROMPT)
-    p0 = processed_probs(logits[:1, n - 1], 1.0)[0]  # [t0]
-    p1 = processed_probs(logits[::VOCAB, n], 1.0)  # [t0, t1]
-    p2 = processed_probs(logits[:, n + 1], 1.0).reshape(VOCAB, VOCAB, VOCAB)  # [t0, t1, t2]
+
+    def distribution(row: np.ndarray, output: list[int]) -> np.ndarray:
+        return probabilities(reference_adjust(row, params, PROMPT, output)[None], params)[0]
+
+    p0 = distribution(logits[0, n - 1], [])  # [t0]
+    p1 = np.stack([distribution(logits[a * VOCAB, n], [a]) for a in range(VOCAB)])  # [t0, t1]
+    p2 = np.stack([distribution(logits[a * VOCAB + b, n + 1], [a, b])
+                   for a, b in itertools.product(range(VOCAB), repeat=2)]).reshape(VOCAB, VOCAB, VOCAB)
     return np.einsum("a,ab,abc->bc", p0, p1, p2)
 
 
-def _sampled_pairs(engine, rule: str) -> tuple[np.ndarray, object]:
+def _sampled_pairs(engine, rule: str, adjusted: dict | None = None) -> tuple[np.ndarray, object]:
     """SAMPLES requests with their own seeds, all in the core at once: (t1, t2) counts and the run's counters."""
     engine.speculator.rule = rule
     core, before = engine.core, engine.stats()
     for i in range(SAMPLES):
-        core.add_request(f"{rule}-{i}", PROMPT, SamplingParams(temperature=1.0, seed=i, max_tokens=4, ignore_eos=True))
+        core.add_request(f"{rule}-{i}", PROMPT, SamplingParams(temperature=1.0, seed=i, max_tokens=4, ignore_eos=True,
+                                                               **(adjusted or {})))
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished():
         for out in core.step():
@@ -218,6 +234,21 @@ def test_sampling_through_the_batched_path_keeps_the_target_distribution(vocab12
     p_biased = _chi_square_p(counts, exact)
     print(f"biased rule through the engine: chi-square p = {p_biased:.4g}")
     assert p_biased < 1e-6
+    assert_pool_whole(engine)
+
+
+def test_penalties_bias_and_min_p_keep_the_adjusted_target_distribution(vocab12_artifact):
+    """The target's logits at a drafted position are adjusted for the output so far plus the drafts before it (a
+    verification that counted only the output would give the second token's penalties no first token)."""
+    exact, plain = _exact_pair_distribution(ADJUSTED), _exact_pair_distribution()
+    assert 0.5 * np.abs(exact - plain).sum() > 0.2  # the settings move the distribution a long way
+    engine = fxllm.load(vocab12_artifact, max_batch=256)
+    counts, stats = _sampled_pairs(engine, EXACT_RULE, ADJUSTED)
+    p_value, spec = _chi_square_p(counts, exact), stats.speculative
+    print(f"\nexact rule with penalties, bias and min-p: chi-square p = {p_value:.4g}, acceptance "
+          f"{spec.acceptance_rate:.3f}")
+    assert counts.sum() == SAMPLES and 0.1 < spec.acceptance_rate < 0.9
+    assert p_value > 1e-3
     assert_pool_whole(engine)
 
 
