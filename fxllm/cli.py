@@ -97,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than MIN_P times the most likely one (default 0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0; above 1 makes tokens of the prompt and the output so far less likely (default 1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="-2 to 2: subtracted from the logit of every token already generated (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="-2 to 2: times each token's count so far, subtracted from its logit (default 0)")
+    p.add_argument("--logit-bias", action="append", metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (-100 to 100) to a token's logit before sampling (repeatable; -100 bans it)")
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -302,7 +312,13 @@ def _activations(args) -> bool | None:
 def cmd_generate(args) -> None:
     import fxllm
     from fxllm.runtime.huge_pages import worth_collapsing
+    from fxllm.runtime.request_validation import check_request
 
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, min_p=args.min_p,
+                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                   repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias or []))
+    check_request(**options)  # a bad value is refused before the artifact loads
     decode_steps = args.max_new_tokens * -(-len(args.prompt) // max(args.max_batch, 1))  # bad values: load refuses
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,
                         kv_cache_memory=args.kv_cache_memory, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
@@ -310,8 +326,6 @@ def cmd_generate(args) -> None:
                         device=args.device, torch_compile=args.torch_compile,
                         speculative=SPECULATIVE_MODES[args.speculative], spec_k=args.spec_k,
                         huge_pages=worth_collapsing(decode_steps))
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     if args.json or len(args.prompt) > 1:
         results = engine.generate(args.prompt, **options)
         for result in results:
@@ -339,6 +353,20 @@ def cmd_generate(args) -> None:
     speculation = engine.stats().speculative
     if speculation is not None:
         _print_speculation(speculation)
+
+
+def _logit_bias(entries: list[str]) -> dict[int, float]:
+    """--logit-bias TOKEN_ID=BIAS flags → {token id: bias} (ranges are checked with the other sampling options)."""
+    bias = {}
+    for entry in entries:
+        token, sep, value = entry.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UsageError(f"--logit-bias {entry!r}: expected TOKEN_ID=BIAS, e.g. --logit-bias 2=-100") from None
+    return bias
 
 
 def _print_speculation(spec) -> None:

@@ -111,6 +111,28 @@ def test_generate_json_and_inspect(capsys, make_tiny_artifact):
     assert code == 0 and "kv-cache (default)" in out
 
 
+def test_generate_penalties_and_logit_bias(capsys, make_tiny_artifact, monkeypatch):
+    """The sampling adjustments reach the engine (the CLI's tokens equal the Python API's with the same settings);
+    a malformed --logit-bias or an out-of-range value is one line, before the artifact is loaded."""
+    import fxllm
+
+    artifact = str(make_tiny_artifact("llama"))
+    settings = dict(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 2.0})
+    expected = fxllm.load(artifact).generate("Paris is", max_new_tokens=6, **settings)
+    code, out, _ = run_cli(capsys, "generate", artifact, "--prompt", "Paris is", "--max-new-tokens", "6", "--json",
+                           "--repetition-penalty", "1.4", "--presence-penalty", "0.5", "--frequency-penalty", "0.3",
+                           "--logit-bias", "5=2")
+    assert code == 0 and json.loads(out)["token_ids"] == expected.token_ids
+    monkeypatch.setattr(fxllm, "load", lambda *a, **k: pytest.fail("loaded before the options were checked"))
+    for flags, says in ((["--logit-bias", "5:2"], "--logit-bias '5:2': expected TOKEN_ID=BIAS"),
+                        (["--logit-bias", "x=1"], "--logit-bias 'x=1': expected TOKEN_ID=BIAS"),
+                        (["--logit-bias", "5=300"], "logit_bias[5]: logit_bias must be <= 100"),
+                        (["--min-p", "2"], "min_p must be <= 1"),
+                        (["--repetition-penalty", "0"], "repetition_penalty must be > 0")):
+        code, _, err = run_cli(capsys, "generate", artifact, "--prompt", "x", *flags)
+        assert_one_line_error(code, err, says)
+
+
 def test_generate_prefills_in_calls_of_max_tokens_per_step(capsys, make_tiny_artifact, monkeypatch):
     """--max-tokens-per-step reaches the engine: a 40-odd-token prompt in calls of at most 7 tokens gives the tokens
     of one call."""

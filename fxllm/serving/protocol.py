@@ -5,7 +5,7 @@ The schema states types only: a value of the right type that the engine refuses 
 longer than the context) is answered 400 with the engine's own one-line message, a value of the wrong type 422.
 Unknown request fields are ignored (as vLLM does); fields of the reference, and vLLM extensions, that fxllm does not
 implement are accepted at their defaults and refused (400, naming the field) otherwise. Extensions (as vLLM spells
-them): `top_k` (0 or -1: no limit), `ignore_eos` and chat's `chat_template_kwargs`.
+them): `top_k` (0 or -1: no limit), `min_p`, `repetition_penalty`, `ignore_eos` and chat's `chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ class _VllmExtensions(_Request):
     is refused naming the field (400; sampling.check_supported) instead of being ignored as unknown fields are: a
     client asking for `guided_json` must not get free text as if it had been applied."""
 
-    min_p: Optional[Any] = Field(None, description="vLLM extension, not supported: 0")
-    repetition_penalty: Optional[Any] = Field(None, description="vLLM extension, not supported: 1")
     min_tokens: Optional[Any] = Field(None, description="vLLM extension, not supported: 0")
     stop_token_ids: Optional[Any] = Field(None, description="vLLM extension, not supported: []")
     bad_words: Optional[Any] = Field(None, description="vLLM extension, not supported: []")
@@ -68,10 +66,16 @@ class _SamplingFields(_VllmExtensions):
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, _FailFast[str]]] = None
     seed: Optional[int] = Field(None, description="choice i of a request samples with seed + i")
-    frequency_penalty: Optional[float] = Field(0.0, description="not supported: must be 0")
-    presence_penalty: Optional[float] = Field(0.0, description="not supported: must be 0")
-    # values unchecked: any non-empty logit_bias is refused, and a type error for each of a million entries is slow
-    logit_bias: Optional[dict[str, Any]] = Field(None, description="not supported: must be empty")
+    frequency_penalty: Optional[float] = Field(0.0, description="-2 to 2: minus this times the token's count so far")
+    presence_penalty: Optional[float] = Field(0.0, description="-2 to 2: minus this for a token already generated")
+    # values checked by SamplingParams after the entry count: a type error for each of a million entries is slow
+    logit_bias: Optional[dict[str, Any]] = Field(None, description="token id (a string) → bias in [-100, 100] added "
+                                                                   "to its logit (at most 1024 entries)")
+    min_p: Optional[float] = Field(None, description="vLLM extension: drop tokens less likely than min_p times the "
+                                                     "most likely one (0: off)")
+    repetition_penalty: Optional[float] = Field(None, description="vLLM extension: > 0, 1 off; divides the positive "
+                                                                  "logits of prompt and output tokens, multiplies the "
+                                                                  "negative ones")
     user: Optional[str] = None
 
 

@@ -9,17 +9,21 @@ with the same seed gives the same choices again. Without a seed every choice sam
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from fxllm.errors import GenerationError
-from fxllm.runtime.request import SamplingParams
+from fxllm.runtime.request import MAX_LOGIT_BIAS, SamplingParams
 from fxllm.serving.errors import APIError, bad_request
 from fxllm.serving.protocol import ChatCompletionRequest, CompletionRequest
 from fxllm.serving.service import MAX_CHOICES
 
 
+# sampling fields whose null means this default
+NULL_MEANS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
 # vLLM's extensions fxllm does not implement (protocol._VllmExtensions) → the values that change nothing (besides
 # null); any other value is refused.
-VLLM_DEFAULTS = {"min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "stop_token_ids": ([],),
+VLLM_DEFAULTS = {"min_tokens": (0,), "stop_token_ids": ([],),
                  "bad_words": ([],), "allowed_token_ids": (), "include_stop_str_in_output": (False,),
                  "skip_special_tokens": (True,), "guided_json": (), "guided_regex": (), "guided_choice": (),
                  "guided_grammar": (), "structured_outputs": ()}
@@ -28,15 +32,10 @@ VLLM_DEFAULTS = {"min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), 
 def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse (400, naming the field) the reference's fields (deprecated ones too: `functions`) and vLLM's extensions
     that fxllm does not implement, unless at their defaults, and `stream_options` without `stream` (as OpenAI does)."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(request, name) not in (None, 0):
-            raise APIError(400, f"{name} is not supported by fxllm; leave it at 0", param=name)
     for name, defaults in VLLM_DEFAULTS.items():
         value = getattr(request, name)
         if value is not None and not any(_same_json(value, d) for d in defaults):
             raise APIError(400, f"{name} (a vLLM extension) is not supported by fxllm", param=name)
-    if request.logit_bias:
-        raise APIError(400, "logit_bias is not supported by fxllm", param="logit_bias")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if request.stream_options is not None and request.stream_options.continuous_usage_stats:
@@ -84,15 +83,31 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, n: int, 
     """The n choices' SamplingParams for one prompt (a refusal names the request's `fields`, as bad_request)."""
     top_k = 0 if request.top_k in (None, -1) else request.top_k
     stop = () if request.stop is None else request.stop
+    adjustments = {name: default if getattr(request, name) is None else getattr(request, name)
+                   for name, default in NULL_MEANS.items()}
     try:
+        logit_bias = _logit_bias(request.logit_bias)
         return [SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                                top_k=top_k, top_p=1.0 if request.top_p is None else request.top_p,
                                seed=None if request.seed is None else request.seed + i, max_tokens=max_tokens,
                                stop=stop, ignore_eos=bool(request.ignore_eos), logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs)
+                               prompt_logprobs=prompt_logprobs, logit_bias=logit_bias, **adjustments)
                 for i in range(n)]
     except GenerationError as exc:
         raise bad_request(exc, fields) from None
+
+
+def _logit_bias(bias: dict[str, Any] | None) -> dict[int, Any]:
+    """The request's {"token id": bias} with int keys (the values are checked by SamplingParams)."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias holds {len(bias):,} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
+    bad = next((key for key in bias if not (key.isascii() and key.isdecimal())), None)
+    if bad is not None:
+        raise APIError(400, f"logit_bias keys must be token ids (non-negative integers, as strings), got {bad[:40]!r}",
+                       param="logit_bias")
+    return {int(key): value for key, value in bias.items()}
 
 
 def max_new_tokens(requested: int | None, prompt_length: int, max_sequence_tokens: int) -> int:

@@ -9,6 +9,7 @@ import json
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -249,6 +250,35 @@ def test_top_k_extension(client, engine):
     assert raised.value.body["param"] == "top_k"
 
 
+def test_penalties_logit_bias_and_min_p_equal_the_engine(client, engine):
+    """OpenAI's presence/frequency penalties and logit_bias and vLLM's repetition_penalty and min_p give the
+    in-process engine's tokens with the same settings, streamed and not, on both endpoints; logit_bias -100 bans
+    a token; the logprobs stay the model's own (before the adjustments, as vLLM's raw logprobs)."""
+    plain = greedy(engine, PROMPTS[1], 12)
+    banned = plain.token_ids[0]
+    settings = dict(presence_penalty=0.5, frequency_penalty=0.7, logit_bias={str(banned): -100})
+    vllm = {"repetition_penalty": 1.3, "min_p": 0.05}
+    expected = engine.generate(PROMPTS[1], max_new_tokens=12, presence_penalty=0.5, frequency_penalty=0.7,
+                               logit_bias={banned: -100}, repetition_penalty=1.3, min_p=0.05)
+    assert banned not in expected.token_ids and expected.text != plain.text
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, logprobs=0,
+                                         extra_body=vllm, **settings)
+    assert response.choices[0].text == expected.text
+    scores = engine.score(engine.encode(PROMPTS[1]) + expected.token_ids)
+    first = scores[len(engine.encode(PROMPTS[1])) - 1]
+    raw = float(first[expected.token_ids[0]] - np.log(np.exp(first - first.max()).sum()) - first.max())
+    assert response.choices[0].logprobs.token_logprobs[0] == pytest.approx(raw, abs=1e-3)
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True, extra_body=vllm, **settings))
+    assert streamed == expected.text
+    chat_expected = engine.generate(PROMPTS[1], max_new_tokens=8, chat=True, presence_penalty=0.5,
+                                    frequency_penalty=0.7, logit_bias={banned: -100}, repetition_penalty=1.3,
+                                    min_p=0.05)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                          max_tokens=8, temperature=0, extra_body=vllm, **settings)
+    assert chat.choices[0].message.content == chat_expected.text
+
+
 def test_streamed_chat_usage_and_logprobs(client, engine):
     """stream_options.include_usage: every chunk has `usage: null` and a last chunk without choices has the usage of
     the unstreamed reply; streamed logprobs equal the unstreamed ones position by position."""
@@ -332,7 +362,16 @@ def error_of(response: httpx.Response) -> dict:
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
-    ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": -3}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"hello": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"-5": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": "up"}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"10000000": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
