@@ -116,7 +116,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), count=st.integers(0, 5))
     def append(self, data, count: int) -> None:
         STATS["steps"] += 1
-        bm, size = self.bm, self.bm.block_size
+        bm = self.bm
         sid = self._pick(data)
         exp = self.model[sid]
         new_tokens = data.draw(st.lists(TOKENS, min_size=count, max_size=count))
