@@ -160,7 +160,8 @@ class Engine:
                                                  "--speculative ngram)")
         if unrolled_draft and (plan is None or plan.draft is None):  # refused, not ignored: the user meant a draft
             raise InvalidArgumentError("unrolled_draft", "unrolled_draft applies to an artifact compiled with a "
-                                       f"model draft (--draft MODEL), and this load of '{path}' runs no draft model")
+                                       "model draft (--draft MODEL or --draft self-int4), and this load of "
+                                       f"'{path}' runs no draft model")
         if int8_activations and not _has_quantized_weights(manifest, plan):  # refused, not ignored: nothing to quantize
             raise InvalidArgumentError("int8_activations", f"int8_activations (--int8-activations) applies to "
                                        f"quantized artifacts, and '{path}' has float weights"

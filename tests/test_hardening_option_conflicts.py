@@ -87,7 +87,8 @@ def test_unrolled_draft_without_a_draft_model_is_refused(make_tiny_artifact, spe
     kv_blocks, spec_k and int8_activations are refused when they have nothing to act on."""
     artifact = make_tiny_artifact("llama")
     with pytest.raises(InvalidArgumentError, match=r"^unrolled_draft applies to an artifact compiled with a model "
-                                                   r"draft \(--draft MODEL\), and this load of '.*' runs no draft"):
+                                                   r"draft \(--draft MODEL or --draft self-int4\), and this load "
+                                                   r"of '.*' runs no draft"):
         fxllm.load(artifact, unrolled_draft=True, speculative=speculative)
     assert fxllm.load(artifact, unrolled_draft=False, speculative=speculative).generate("Paris is",
                                                                                        max_new_tokens=2).token_ids
