@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens less likely than MIN_P times the most likely one (default 0: off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 0; above 1 makes tokens of the prompt and the output so far less likely (default 1: off)")
+                   help="0.01 to 100; above 1 makes tokens of the prompt and the output so far less likely "
+                        "(default 1: off)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="-2 to 2: subtracted from the logit of every token already generated (default 0)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -357,15 +358,18 @@ def cmd_generate(args) -> None:
 
 def _logit_bias(entries: list[str]) -> dict[int, float]:
     """--logit-bias TOKEN_ID=BIAS flags → {token id: bias} (ranges are checked with the other sampling options)."""
+    from fxllm.runtime.checks import short, token_id_text
+
     bias = {}
     for entry in entries:
-        token, sep, value = entry.partition("=")
+        token, _, value = entry.partition("=")
         try:
-            if not sep:
+            if token_id_text(token) is None:
                 raise ValueError
-            bias[int(token)] = float(value)
+            bias[token_id_text(token)] = float(value)
         except ValueError:
-            raise UsageError(f"--logit-bias {entry!r}: expected TOKEN_ID=BIAS, e.g. --logit-bias 2=-100") from None
+            raise UsageError(f"--logit-bias {short(entry)}: expected TOKEN_ID=BIAS (a token id in ASCII digits), e.g. "
+                             "--logit-bias 2=-100") from None
     return bias
 
 

@@ -116,6 +116,17 @@ def strings(param: str, value: Any, most: int | None = None, most_chars: int | N
     return checked
 
 
+MAX_TOKEN_ID_DIGITS = 18  # an int64; no vocabulary comes near (and int() of 5,000 digits raises)
+
+
+def token_id_text(text: str) -> int | None:
+    """A token id written as text (a logit_bias key, '50256'): ASCII decimal digits only — no sign, space, '_' or
+    another script's digits, which int() would take — at most MAX_TOKEN_ID_DIGITS of them; None for anything else."""
+    if 0 < len(text) <= MAX_TOKEN_ID_DIGITS and text.isascii() and text.isdecimal():
+        return int(text)
+    return None
+
+
 def integers(param: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> tuple[int, ...]:
     """An iterable of integers (as `integer`, each in range)."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):

@@ -13,37 +13,60 @@ from fxllm.runtime.request import SamplingParams
 
 class LogitsAdjuster:
     """One request's adjustment. `prompt_ids` count for the repetition penalty only (as vLLM and transformers do);
-    the frequency and presence penalties count the output so far."""
+    the frequency and presence penalties count the output so far. The output's token counts are kept across calls
+    and updated with the tokens appended since the last one (the output only grows), so a step costs O(V), not a
+    sort of the whole history."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int]):
         self.params = params
         self._bias_ids = np.fromiter((token for token, _ in params.logit_bias), dtype=np.int64)
-        self._biases = np.fromiter((bias for _, bias in params.logit_bias), dtype=np.float64)
-        self._prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64)) if params.repetition_penalty != 1 \
-            else np.zeros(0, dtype=np.int64)
+        self._biases = np.fromiter((bias for _, bias in params.logit_bias), dtype=np.float32)
+        self._prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
+        self._counts: np.ndarray | None = None  # [V] each token's count in the output so far
+        self._seen: np.ndarray | None = None  # [V] in the prompt or the output so far
+        self._counted = 0  # output tokens in _counts
 
     def __call__(self, logits: np.ndarray, output_ids: Sequence[int], drafts: Sequence[int] = ()) -> np.ndarray:
         """logits [n, V] → adjusted float32 copy. Row i follows `output_ids` and then drafts[:i] (a speculative
         round scores its drafts in one call: each position's penalties count the drafts before it)."""
+        params = self.params
         adjusted = np.array(logits, dtype=np.float32)
-        history = list(output_ids)
-        for row in range(adjusted.shape[0]):
-            if row:
-                history.append(drafts[row - 1])
-            self._adjust_row(adjusted[row], history)
+        if not params.penalizes:
+            adjusted[:, self._bias_ids] += self._biases
+            return adjusted
+        self._count(output_ids, adjusted.shape[-1])
+        if self._bias_ids.size:
+            adjusted[:, self._bias_ids] += self._biases
+        drafts = [int(token) for token in drafts[:adjusted.shape[0] - 1]]
+        if params.repetition_penalty != 1:
+            self._repeat(adjusted, slice(None), np.flatnonzero(self._seen))
+            for j, token in enumerate(drafts):  # rows after a draft never seen before see it too
+                if not self._seen[token] and token not in drafts[:j]:
+                    self._repeat(adjusted, slice(j + 1, None), token)
+        if params.frequency_penalty or params.presence_penalty:
+            output = np.flatnonzero(self._counts)
+            adjusted[:, output] -= params.frequency_penalty * self._counts[output] + params.presence_penalty
+            for j, token in enumerate(drafts):
+                first = not self._counts[token] and token not in drafts[:j]
+                adjusted[j + 1:, token] -= params.frequency_penalty + (params.presence_penalty if first else 0.0)
         return adjusted
 
-    def _adjust_row(self, row: np.ndarray, output_ids: list[int]) -> None:
-        params = self.params
-        if self._bias_ids.size:
-            row[self._bias_ids] += self._biases
-        output, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
-        if params.repetition_penalty != 1:
-            seen = np.union1d(self._prompt_ids, output)
-            values = row[seen]
-            row[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-        if output.size and (params.frequency_penalty or params.presence_penalty):
-            row[output] -= params.frequency_penalty * counts + params.presence_penalty
+    def _count(self, output_ids: Sequence[int], vocab_size: int) -> None:
+        if self._counts is None or len(output_ids) < self._counted:  # first call (or another history: recount)
+            self._counts = np.zeros(vocab_size, dtype=np.int64)
+            self._seen = np.zeros(vocab_size, dtype=bool)
+            self._seen[self._prompt_ids] = True
+            self._counted = 0
+        new = np.asarray(output_ids[self._counted:], dtype=np.int64)
+        if new.size:
+            np.add.at(self._counts, new, 1)
+            self._seen[new] = True
+            self._counted = len(output_ids)
+
+    def _repeat(self, adjusted: np.ndarray, rows: slice, tokens) -> None:
+        values = adjusted[rows, tokens]
+        penalty = self.params.repetition_penalty
+        adjusted[rows, tokens] = np.where(values > 0, values / penalty, values * penalty)
 
 
 def adjuster(params: SamplingParams, prompt_ids: Sequence[int]) -> LogitsAdjuster | None:

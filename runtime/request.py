@@ -25,6 +25,9 @@ MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_BIAS = 100.0
 MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range [-2, 2]
+# repetition_penalty: vLLM takes any value > 0, but past these a logit is divided or multiplied into saturation (and
+# 1e-40 overflowed float32 logits to inf, 1e39 is inf itself); 1.0-1.3 is the common range.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 OUTPUT_KINDS = ("delta", "final")
 
 # Temperatures in (0, MIN_TEMPERATURE) sample greedily (argmax). As the temperature falls the distribution
@@ -53,8 +56,8 @@ class SamplingParams:
     min_p: a finite number in [0, 1]: after temperature, tokens less likely than min_p times the most likely one are
     dropped (0: off).
     logit_bias: {token id: bias in [-100, 100]} added to those logits before sampling (at most MAX_LOGIT_BIAS
-    entries; stored as sorted (id, bias) pairs). Then, as vLLM: repetition_penalty (> 0, 1: off) divides the positive
-    logits and multiplies the negative ones of every token in the prompt or the output so far;
+    entries; stored as sorted (id, bias) pairs). Then, as vLLM: repetition_penalty (0.01 to 100, 1: off) divides
+    the positive logits and multiplies the negative ones of every token in the prompt or the output so far;
     frequency_penalty and presence_penalty (each in [-2, 2], 0: off) subtract penalty × the token's count in the
     output so far, and penalty once for a token that occurs in it (OpenAI's formula). All of these apply to greedy
     requests too (their argmax is then taken over the adjusted logits); runtime/logits_adjustment.py.
@@ -96,7 +99,8 @@ class SamplingParams:
         set_(self, "min_p", real("min_p", self.min_p, minimum=0.0, maximum=1.0))
         for name in ("presence_penalty", "frequency_penalty"):
             set_(self, name, real(name, getattr(self, name), minimum=-MAX_PENALTY, maximum=MAX_PENALTY))
-        set_(self, "repetition_penalty", real("repetition_penalty", self.repetition_penalty, above=0.0))
+        set_(self, "repetition_penalty", real("repetition_penalty", self.repetition_penalty,
+                                               *REPETITION_PENALTY_RANGE))
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
         if not isinstance(self.output_kind, str) or self.output_kind not in OUTPUT_KINDS:
             raise InvalidArgumentError("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
@@ -107,10 +111,14 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE
 
     @property
+    def penalizes(self) -> bool:
+        """Whether a repetition, presence or frequency penalty is set."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether logit_bias or a penalty changes the logits this request samples from."""
-        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 or \
-            self.repetition_penalty != 1
+        return bool(self.logit_bias) or self.penalizes
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -126,9 +126,13 @@ def test_generate_penalties_and_logit_bias(capsys, make_tiny_artifact, monkeypat
     monkeypatch.setattr(fxllm, "load", lambda *a, **k: pytest.fail("loaded before the options were checked"))
     for flags, says in ((["--logit-bias", "5:2"], "--logit-bias '5:2': expected TOKEN_ID=BIAS"),
                         (["--logit-bias", "x=1"], "--logit-bias 'x=1': expected TOKEN_ID=BIAS"),
+                        (["--logit-bias", "\u0663=100"], "expected TOKEN_ID=BIAS"),  # int() reads Arabic-Indic 3
+                        (["--logit-bias", "7_042=-1"], "expected TOKEN_ID=BIAS"),
+                        (["--logit-bias", " 5=1"], "expected TOKEN_ID=BIAS"),
+                        (["--logit-bias", "9" * 5000 + "=1"], "--logit-bias '99999"),
                         (["--logit-bias", "5=300"], "logit_bias[5]: logit_bias must be <= 100"),
                         (["--min-p", "2"], "min_p must be <= 1"),
-                        (["--repetition-penalty", "0"], "repetition_penalty must be > 0")):
+                        (["--repetition-penalty", "0"], "repetition_penalty must be >= 0.01")):
         code, _, err = run_cli(capsys, "generate", artifact, "--prompt", "x", *flags)
         assert_one_line_error(code, err, says)
 

@@ -40,7 +40,7 @@ def test_adjustment_follows_the_formulas_row_by_row():
     params = SamplingParams(logit_bias={3: 5.0, 7: -100, 11: 0.25}, **ADJUSTED)
     prompt = [1, 2, 3, 3, 40]
     output = [7, 9, 9, 9, 2]
-    drafts = [9, 12, 12]
+    drafts = [9, 12, 12, 40, 7]  # in the output, new (twice), in the prompt only, in the output
     logits = rng.normal(size=(len(drafts) + 1, vocab)).astype(np.float32) * 3
     before = logits.copy()
     adjusted = LogitsAdjuster(params, prompt)(logits, output, drafts)
@@ -49,6 +49,26 @@ def test_adjustment_follows_the_formulas_row_by_row():
         expected = reference_adjust(logits[row], params, prompt, output + drafts[:row])
         np.testing.assert_allclose(adjusted[row], expected, rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(logits, before)  # the model's logits are left as they were (logprobs read them)
+
+
+def test_counts_follow_a_growing_output_across_calls():
+    """The adjuster keeps the output's counts between calls (updated with the tokens appended since): every call, a
+    plain step or a speculative round with repeated drafts, equals the formulas over the whole history."""
+    rng = np.random.default_rng(2)
+    params = SamplingParams(logit_bias={2: 1.0}, **ADJUSTED)
+    prompt, output = [1, 2, 3, 3], []
+    adjust = LogitsAdjuster(params, prompt)
+    for step in range(40):
+        drafts = rng.integers(0, 20, size=int(rng.integers(0, 4))).tolist()
+        logits = rng.normal(size=(len(drafts) + 1, 20)).astype(np.float32) * 3
+        adjusted = adjust(logits, output, drafts)
+        for row in range(len(drafts) + 1):
+            expected = reference_adjust(logits[row], params, prompt, output + drafts[:row])
+            np.testing.assert_allclose(adjusted[row], expected, rtol=1e-6, atol=1e-5, err_msg=f"step {step}")
+        output += rng.integers(0, 20, size=int(rng.integers(1, 3))).tolist()
+    logits = rng.normal(size=(1, 20)).astype(np.float32)
+    np.testing.assert_allclose(adjust(logits, output[:5])[0], reference_adjust(logits[0], params, prompt, output[:5]),
+                               rtol=1e-6, atol=1e-5)  # a shorter history than the last call's is counted afresh
 
 
 @pytest.mark.parametrize("settings", [dict(repetition_penalty=0.8), dict(frequency_penalty=-1.0),
@@ -78,7 +98,9 @@ def test_min_p_drops_the_unlikely_and_keeps_the_rest_in_proportion():
 @pytest.mark.parametrize("settings, message", [
     (dict(min_p=1.5), "min_p must be <= 1"),
     (dict(min_p=-0.1), "min_p must be >= 0"),
-    (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+    (dict(repetition_penalty=0), "repetition_penalty must be >= 0.01, got 0"),
+    (dict(repetition_penalty=1e-40), "repetition_penalty must be >= 0.01"),  # overflowed float32 logits to inf
+    (dict(repetition_penalty=1e39), "repetition_penalty must be <= 100"),  # inf in float32: 0 × inf was NaN
     (dict(presence_penalty=2.5), "presence_penalty must be <= 2"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty must be a finite number"),
     (dict(logit_bias={1: 101}), "logit_bias[1]: logit_bias must be <= 100"),

@@ -73,9 +73,9 @@ class _SamplingFields(_VllmExtensions):
                                                                    "to its logit (at most 1024 entries)")
     min_p: Optional[float] = Field(None, description="vLLM extension: drop tokens less likely than min_p times the "
                                                      "most likely one (0: off)")
-    repetition_penalty: Optional[float] = Field(None, description="vLLM extension: > 0, 1 off; divides the positive "
-                                                                  "logits of prompt and output tokens, multiplies the "
-                                                                  "negative ones")
+    repetition_penalty: Optional[float] = Field(None, description="vLLM extension: 0.01 to 100, 1 off; divides the "
+                                                                  "positive logits of prompt and output tokens, "
+                                                                  "multiplies the negative ones")
     user: Optional[str] = None
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fxllm.errors import GenerationError
+from fxllm.runtime.checks import short, token_id_text
 from fxllm.runtime.request import MAX_LOGIT_BIAS, SamplingParams
 from fxllm.serving.errors import APIError, bad_request
 from fxllm.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -103,11 +104,12 @@ def _logit_bias(bias: dict[str, Any] | None) -> dict[int, Any]:
         return {}
     if len(bias) > MAX_LOGIT_BIAS:
         raise APIError(400, f"logit_bias holds {len(bias):,} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
-    bad = next((key for key in bias if not (key.isascii() and key.isdecimal())), None)
+    ids = {key: token_id_text(key) for key in bias}
+    bad = next((key for key, token in ids.items() if token is None), None)
     if bad is not None:
-        raise APIError(400, f"logit_bias keys must be token ids (non-negative integers, as strings), got {bad[:40]!r}",
+        raise APIError(400, f"logit_bias keys must be token ids (non-negative integers, as strings), got {short(bad)}",
                        param="logit_bias")
-    return {int(key): value for key, value in bias.items()}
+    return {ids[key]: value for key, value in bias.items()}
 
 
 def max_new_tokens(requested: int | None, prompt_length: int, max_sequence_tokens: int) -> int:

@@ -371,6 +371,9 @@ def error_of(response: httpx.Response) -> dict:
     ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"5": "up"}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"10000000": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),  # int() refuses: was a 500
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"\u0663": 1}}, 400, "logit_bias"),  # int() would read 3
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 1e-40}, 400, "repetition_penalty"),  # was inf logits
     ({"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
