@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="-2 to 2: subtracted from the logit of every token already generated (default 0)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="-2 to 2: times each token's count so far, subtracted from its logit (default 0)")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="no end-of-sequence token before this many tokens (default 0)")
     p.add_argument("--logit-bias", action="append", metavar="TOKEN_ID=BIAS",
                    help="add BIAS (-100 to 100) to a token's logit before sampling (repeatable; -100 bans it)")
     p.add_argument("--seed", type=int)
@@ -318,7 +320,8 @@ def cmd_generate(args) -> None:
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, min_p=args.min_p,
                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                   repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias or []))
+                   repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias or []),
+                   min_tokens=args.min_tokens)
     check_request(**options)  # a bad value is refused before the artifact loads
     decode_steps = args.max_new_tokens * -(-len(args.prompt) // max(args.max_batch, 1))  # bad values: load refuses
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,

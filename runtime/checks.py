@@ -127,11 +127,16 @@ def token_id_text(text: str) -> int | None:
     return None
 
 
-def integers(param: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> tuple[int, ...]:
-    """An iterable of integers (as `integer`, each in range)."""
+def integers(param: str, value: Any, minimum: int | None = None, maximum: int | None = None,
+             most: int | None = None) -> tuple[int, ...]:
+    """An iterable of integers (as `integer`, each in range); at most `most` of them (counted before any is
+    checked), where given."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise InvalidArgumentError(param, f"{param} must be a list of integers, got {describe(value)}")
-    return tuple(integer(f"{param}[{i}]", item, minimum, maximum, param=param) for i, item in enumerate(value))
+    items = list(value if most is None else islice(value, most + 1))
+    if most is not None and len(items) > most:
+        raise InvalidArgumentError(param, f"{param} holds more than {most:,} token ids")
+    return tuple(integer(f"{param}[{i}]", item, minimum, maximum, param=param) for i, item in enumerate(items))
 
 
 def _check_range(name: str, param: str, value: float, minimum: float | None, maximum: float | None) -> None:

@@ -278,7 +278,8 @@ class Engine:
                  chat: bool = False, **adjustments: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (returns one result) or a list of prompts of any lengths (returns a list).
         adjustments (keyword only, as SamplingParams): min_p, presence_penalty, frequency_penalty,
-        repetition_penalty, logit_bias ({token id: bias}); so for generate_ids, stream and sampling_params."""
+        repetition_penalty, logit_bias ({token id: bias}), min_tokens, stop_token_ids, allowed_token_ids; so for
+        generate_ids, stream and sampling_params."""
         texts, single = check_prompts(prompts)
         request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat, **adjustments)
         results = self._run([self._encode_row(i, t, request.chat, single) for i, t in enumerate(texts)], request,
@@ -389,6 +390,7 @@ class Engine:
         changes = {"output_kind": output_kind} if output_kind != request.sampling.output_kind else {}
         if request.max_new_tokens > room:
             changes["max_tokens"] = room
+            changes["min_tokens"] = min(request.sampling.min_tokens, room)  # as many as the context leaves
         return replace(request.sampling, **changes) if changes else request.sampling
 
 

@@ -67,6 +67,7 @@ class EngineCore:
         ids = self.check(prompt, params)
         self._check_duplicate(request_id)
         return Request(request_id, ids, params, self.tokenizer, prompt=prompt if isinstance(prompt, str) else None,
+                       eos_token_ids=self.eos_token_ids,
                        seq_id=next(self._seq_ids))
 
     def enqueue(self, request: Request) -> None:
@@ -79,8 +80,9 @@ class EngineCore:
     def check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids once prompt and params are checked for this model (InvalidArgumentError naming the
         argument, as the Python API's checks: runtime/request_validation.py): a valid-Unicode text or token ids of the
-        vocabulary; not empty; prompt + max_tokens within the context and within the KV pool; stop_token_ids and
-        logit_bias's ids within the vocabulary."""
+        vocabulary; not empty; prompt + max_tokens within the context and within the KV pool; stop_token_ids,
+        logit_bias's and allowed_token_ids' ids within the vocabulary, and some allowed id one min_tokens lets be
+        sampled."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError("params", f"params must be a SamplingParams, got {describe(params)}")
         if isinstance(prompt, str):
@@ -91,6 +93,13 @@ class EngineCore:
         check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)  # one outside could never stop
         check_token_ids("logit_bias keys", [token for token, _ in params.logit_bias], self.vocab_size,
                         param="logit_bias")  # numpy would index past the row, or wrap a negative id
+        if params.allowed_token_ids is not None:
+            check_token_ids("allowed_token_ids", params.allowed_token_ids, self.vocab_size)
+            ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            if params.min_tokens and ending.issuperset(params.allowed_token_ids):  # a row with nothing to sample
+                raise InvalidArgumentError("allowed_token_ids", "allowed_token_ids holds only end-of-sequence or stop "
+                                                                f"token ids, which min_tokens ({params.min_tokens}) "
+                                                                "forbids for the first tokens")
         self.scheduler.check_fits(len(ids), params.max_tokens)
         return ids
 

@@ -1,10 +1,11 @@
-"""A request's logits before sampling: logit_bias, then the repetition, frequency and presence penalties (vLLM's
-order and formulas; OpenAI's for the last two). Temperature, min-p, top-k and top-p come after, in
-sampler.probabilities. Logprobs are reported from the logits before any of this (vLLM's raw logprobs)."""
+"""A request's logits before sampling: allowed_token_ids, logit_bias and min_tokens, then the repetition, frequency
+and presence penalties (vLLM's order and formulas; OpenAI's for the last two). Temperature, min-p, top-k and top-p
+come after, in sampler.probabilities. Logprobs are reported from the logits before any of this (vLLM's raw
+logprobs)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -17,8 +18,13 @@ class LogitsAdjuster:
     and updated with the tokens appended since the last one (the output only grows), so a step costs O(V), not a
     sort of the whole history."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int]):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: Iterable[int] = ()):
         self.params = params
+        eos = () if params.ignore_eos else tuple(eos_token_ids)
+        # what min_tokens holds back: every id that would end the request
+        self._stop_ids = np.asarray(sorted({*eos, *params.stop_token_ids}), dtype=np.int64)
+        self._allowed = None if params.allowed_token_ids is None else np.unique(
+            np.asarray(params.allowed_token_ids, dtype=np.int64))
         self._bias_ids = np.fromiter((token for token, _ in params.logit_bias), dtype=np.int64)
         self._biases = np.fromiter((bias for _, bias in params.logit_bias), dtype=np.float32)
         self._prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
@@ -30,13 +36,18 @@ class LogitsAdjuster:
         """logits [n, V] → adjusted float32 copy. Row i follows `output_ids` and then drafts[:i] (a speculative
         round scores its drafts in one call: each position's penalties count the drafts before it)."""
         params = self.params
-        adjusted = np.array(logits, dtype=np.float32)
+        if self._allowed is None:
+            adjusted = np.array(logits, dtype=np.float32)
+        else:  # every other id masked
+            adjusted = np.full(np.shape(logits), -np.inf, dtype=np.float32)
+            adjusted[:, self._allowed] = np.asarray(logits)[:, self._allowed]
+        adjusted[:, self._bias_ids] += self._biases
+        held = params.min_tokens - len(output_ids)  # rows 0..held-1 come before the min_tokens-th token
+        if held > 0 and self._stop_ids.size:
+            adjusted[:held, self._stop_ids] = -np.inf
         if not params.penalizes:
-            adjusted[:, self._bias_ids] += self._biases
             return adjusted
         self._count(output_ids, adjusted.shape[-1])
-        if self._bias_ids.size:
-            adjusted[:, self._bias_ids] += self._biases
         drafts = [int(token) for token in drafts[:adjusted.shape[0] - 1]]
         if params.repetition_penalty != 1:
             self._repeat(adjusted, slice(None), np.flatnonzero(self._seen))
@@ -69,6 +80,7 @@ class LogitsAdjuster:
         adjusted[rows, tokens] = np.where(values > 0, values / penalty, values * penalty)
 
 
-def adjuster(params: SamplingParams, prompt_ids: Sequence[int]) -> LogitsAdjuster | None:
+def adjuster(params: SamplingParams, prompt_ids: Sequence[int],
+             eos_token_ids: Iterable[int] = ()) -> LogitsAdjuster | None:
     """The request's adjuster, or None when its params change no logit (the common case costs nothing)."""
-    return LogitsAdjuster(params, prompt_ids) if params.adjusts_logits else None
+    return LogitsAdjuster(params, prompt_ids, eos_token_ids) if params.adjusts_logits else None

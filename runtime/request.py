@@ -23,6 +23,7 @@ MAX_STOP_CHARS = 1024
 # logit_bias entries are applied to every row a request samples from; OpenAI bounds each bias to [-100, 100] (-100
 # bans a token, 100 all but forces it). The count bound keeps a request body from carrying a vocabulary-sized table.
 MAX_LOGIT_BIAS = 1024
+MAX_TOKEN_IDS = 65536  # stop_token_ids, allowed_token_ids: each id is checked, on the server's event loop
 MAX_BIAS = 100.0
 MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range [-2, 2]
 # repetition_penalty: vLLM takes any value > 0, but past these a logit is divided or multiplied into saturation (and
@@ -49,7 +50,10 @@ class SamplingParams:
     max_tokens: most tokens to generate (>= 1; prompt + max_tokens must fit the model's context).
     stop: strings that end generation (the text is cut before them; at most MAX_STOP_STRINGS of at most
     MAX_STOP_CHARS characters); stop_token_ids: ids that end it (the id is the last output token, its text is not
-    shown); ignore_eos: do not stop at the model's EOS ids.
+    shown); ignore_eos: do not stop at the model's EOS ids. min_tokens: an int >= 0 (at most max_tokens): the EOS ids
+    (unless ignore_eos) and stop_token_ids cannot be sampled before this many tokens (vLLM's; stop strings still
+    apply). allowed_token_ids: None (all), or the only ids that may be sampled (a non-empty list).
+    stop_token_ids and allowed_token_ids hold at most MAX_TOKEN_IDS ids each.
     logprobs: None, or N >= 0: every generated token's logprob plus the N most likely alternatives;
     prompt_logprobs: the same for every prompt token (the first has none), in the first output.
     Logprobs are log-softmax of the model's logits, before logit_bias, penalties, temperature, min-p, top-k, top-p.
@@ -81,6 +85,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -91,7 +97,7 @@ class SamplingParams:
             set_(self, "seed", integer("seed", self.seed, minimum=MIN_SEED))
         set_(self, "max_tokens", integer("max_tokens", self.max_tokens, minimum=1))
         set_(self, "stop", strings("stop", self.stop, most=MAX_STOP_STRINGS, most_chars=MAX_STOP_CHARS))
-        set_(self, "stop_token_ids", integers("stop_token_ids", self.stop_token_ids, minimum=0))
+        set_(self, "stop_token_ids", integers("stop_token_ids", self.stop_token_ids, minimum=0, most=MAX_TOKEN_IDS))
         flag("ignore_eos", self.ignore_eos)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
@@ -102,6 +108,16 @@ class SamplingParams:
         set_(self, "repetition_penalty", real("repetition_penalty", self.repetition_penalty,
                                                *REPETITION_PENALTY_RANGE))
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
+        set_(self, "min_tokens", integer("min_tokens", self.min_tokens, minimum=0))
+        if self.min_tokens > self.max_tokens:
+            raise InvalidArgumentError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                                                     f"({self.max_tokens})")
+        if self.allowed_token_ids is not None:
+            allowed = integers("allowed_token_ids", self.allowed_token_ids, minimum=0, most=MAX_TOKEN_IDS)
+            if not allowed:
+                raise InvalidArgumentError("allowed_token_ids", "allowed_token_ids is empty: nothing could be "
+                                                                "sampled (leave it out to allow every token)")
+            set_(self, "allowed_token_ids", allowed)
         if not isinstance(self.output_kind, str) or self.output_kind not in OUTPUT_KINDS:
             raise InvalidArgumentError("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
                                                       f"{describe(self.output_kind)}")
@@ -117,8 +133,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether logit_bias or a penalty changes the logits this request samples from."""
-        return bool(self.logit_bias) or self.penalizes
+        """Whether logit_bias, a penalty, min_tokens or allowed_token_ids changes the logits this request samples
+        from."""
+        return bool(self.logit_bias) or self.penalizes or self.min_tokens > 0 or self.allowed_token_ids is not None
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -186,7 +203,8 @@ class Request:
     update it. `num_computed_tokens` counts tokens whose KV is in the cache."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
-                 prompt: str | None = None, seq_id: int = 0):
+                 prompt: str | None = None, seq_id: int = 0, eos_token_ids: Iterable[int] = ()):
+        """eos_token_ids: the model's, which min_tokens holds back (unless ignore_eos)."""
         from fxllm.runtime.logits_adjustment import adjuster
         from fxllm.runtime.sampler import Sampler
 
@@ -204,7 +222,7 @@ class Request:
         self.seq_id = seq_id  # the block manager's key
         self.num_computed_tokens = 0
         self.sampler = Sampler(params, 1)  # this request's own seeded stream
-        self.logits_adjuster = adjuster(params, self.prompt_token_ids)  # None: params change no logit
+        self.logits_adjuster = adjuster(params, self.prompt_token_ids, eos_token_ids)  # None: no logit changes
         self.final_only = params.output_kind == "final"
         self.detokenizer = (FinalDetokenizer(tokenizer) if self.final_only and not params.stop
                             else IncrementalDetokenizer(tokenizer, list(params.stop)))

@@ -40,13 +40,15 @@ class GenerationRequest:
 def check_request(max_new_tokens: Any = 64, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
                   seed: Any = None, stop: Any = None, chat: Any = False, *, min_p: Any = 0.0,
                   presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0, repetition_penalty: Any = 1.0,
-                  logit_bias: Any = None) -> GenerationRequest:
+                  logit_bias: Any = None, min_tokens: Any = 0, stop_token_ids: Any = (),
+                  allowed_token_ids: Any = None) -> GenerationRequest:
     """Engine.generate / generate_ids / stream's keyword arguments → a GenerationRequest. max_new_tokens: an int
     >= 1; stop: None, a string or an iterable of strings; chat: a bool; the rest as SamplingParams."""
     max_new_tokens = integer("max_new_tokens", max_new_tokens, minimum=1)
     sampling = SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens, stop=stop, min_p=min_p,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                              repetition_penalty=repetition_penalty, logit_bias=logit_bias)
+                              repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
+                              stop_token_ids=stop_token_ids, allowed_token_ids=allowed_token_ids)
     return GenerationRequest(max_new_tokens, sampling, flag("chat", chat))
 
 

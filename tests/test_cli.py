@@ -117,11 +117,12 @@ def test_generate_penalties_and_logit_bias(capsys, make_tiny_artifact, monkeypat
     import fxllm
 
     artifact = str(make_tiny_artifact("llama"))
-    settings = dict(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 2.0})
+    settings = dict(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 2.0},
+                    min_tokens=3)
     expected = fxllm.load(artifact).generate("Paris is", max_new_tokens=6, **settings)
     code, out, _ = run_cli(capsys, "generate", artifact, "--prompt", "Paris is", "--max-new-tokens", "6", "--json",
                            "--repetition-penalty", "1.4", "--presence-penalty", "0.5", "--frequency-penalty", "0.3",
-                           "--logit-bias", "5=2")
+                           "--logit-bias", "5=2", "--min-tokens", "3")
     assert code == 0 and json.loads(out)["token_ids"] == expected.token_ids
     monkeypatch.setattr(fxllm, "load", lambda *a, **k: pytest.fail("loaded before the options were checked"))
     for flags, says in ((["--logit-bias", "5:2"], "--logit-bias '5:2': expected TOKEN_ID=BIAS"),
@@ -132,6 +133,7 @@ def test_generate_penalties_and_logit_bias(capsys, make_tiny_artifact, monkeypat
                         (["--logit-bias", "9" * 5000 + "=1"], "--logit-bias '99999"),
                         (["--logit-bias", "5=300"], "logit_bias[5]: logit_bias must be <= 100"),
                         (["--min-p", "2"], "min_p must be <= 1"),
+                        (["--min-tokens", "70", "--max-new-tokens", "64"], "min_tokens (70) must be <= max_tokens"),
                         (["--repetition-penalty", "0"], "repetition_penalty must be >= 0.01")):
         code, _, err = run_cli(capsys, "generate", artifact, "--prompt", "x", *flags)
         assert_one_line_error(code, err, says)

@@ -7,6 +7,7 @@ tests/test_speculative_paged.py."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,18 +15,26 @@ import pytest
 import fxllm
 from fxllm.errors import InvalidArgumentError
 from fxllm.runtime.logits_adjustment import LogitsAdjuster, adjuster
-from fxllm.runtime.request import MAX_LOGIT_BIAS, SamplingParams
+from fxllm.runtime.request import MAX_LOGIT_BIAS, MAX_TOKEN_IDS, SamplingParams
 from fxllm.runtime.sampler import probabilities
 
 ADJUSTED = dict(repetition_penalty=1.3, frequency_penalty=0.6, presence_penalty=0.4)
 
 
-def reference_adjust(logits: np.ndarray, params: SamplingParams, prompt: list[int], output: list[int]) -> np.ndarray:
-    """One row [V], token by token: bias added; then each token seen in prompt or output: positive logit divided by
-    the repetition penalty, negative multiplied; then minus frequency × count in output, minus presence if in it."""
+def reference_adjust(logits: np.ndarray, params: SamplingParams, prompt: list[int], output: list[int],
+                     ending: tuple[int, ...] = ()) -> np.ndarray:
+    """One row [V], token by token: ids outside allowed_token_ids -inf; bias added; the `ending` ids (EOS, stop
+    ids) -inf while the output is shorter than min_tokens; then each token seen in prompt or output: positive logit
+    divided by the repetition penalty, negative multiplied; then minus frequency × count in output, minus presence
+    if in it."""
     row = logits.astype(np.float64).copy()
+    if params.allowed_token_ids is not None:
+        row = np.where(np.isin(np.arange(row.size), params.allowed_token_ids), row, -np.inf)
     for token, bias in params.logit_bias:
         row[token] += bias
+    if len(output) < params.min_tokens:
+        for token in ending:
+            row[token] = -np.inf
     for token in set(prompt) | set(output):
         penalty = params.repetition_penalty
         row[token] = row[token] / penalty if row[token] > 0 else row[token] * penalty
@@ -49,6 +58,23 @@ def test_adjustment_follows_the_formulas_row_by_row():
         expected = reference_adjust(logits[row], params, prompt, output + drafts[:row])
         np.testing.assert_allclose(adjusted[row], expected, rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(logits, before)  # the model's logits are left as they were (logprobs read them)
+
+
+def test_allowed_ids_and_min_tokens_row_by_row():
+    """allowed_token_ids masks every other id; min_tokens masks the EOS and stop ids in the rows before the
+    min_tokens-th token (a speculative round's later rows are further along)."""
+    rng = np.random.default_rng(3)
+    params = SamplingParams(max_tokens=20, min_tokens=4, stop_token_ids=[6], allowed_token_ids=[0, 2, 5, 6, 9, 9],
+                            logit_bias={5: 2.0}, repetition_penalty=1.5)
+    prompt, output, drafts = [5, 9], [2, 9], [6, 0, 6]
+    logits = rng.normal(size=(4, 12)).astype(np.float32)
+    adjusted = LogitsAdjuster(params, prompt, eos_token_ids=[0])(logits, output, drafts)
+    for row in range(4):
+        expected = reference_adjust(logits[row], params, prompt, output + drafts[:row], ending=(0, 6))
+        np.testing.assert_allclose(adjusted[row], expected, rtol=1e-6)
+    assert np.isinf(adjusted[:2, [0, 6]]).all() and np.isfinite(adjusted[2:, [0, 6]]).all()
+    ignoring = LogitsAdjuster(replace(params, ignore_eos=True), prompt, eos_token_ids=[0])(logits, output)
+    assert np.isfinite(ignoring[0, 0]) and np.isinf(ignoring[0, 6])  # ignore_eos: only the stop id is held back
 
 
 def test_counts_follow_a_growing_output_across_calls():
@@ -108,6 +134,12 @@ def test_min_p_drops_the_unlikely_and_keeps_the_rest_in_proportion():
     (dict(logit_bias={"5": 1}), "a logit_bias key (a token id) must be an integer"),
     (dict(logit_bias=[5, 1]), "logit_bias must be a mapping of token ids to biases"),
     (dict(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS + 1)}), f"more than {MAX_LOGIT_BIAS} entries"),
+    (dict(min_tokens=17), "min_tokens (17) must be <= max_tokens (16)"),
+    (dict(min_tokens=-1), "min_tokens must be >= 0"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids is empty"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids[1] must be >= 0"),
+    (dict(allowed_token_ids=range(MAX_TOKEN_IDS + 1)), f"more than {MAX_TOKEN_IDS:,} token ids"),
+    (dict(stop_token_ids=range(MAX_TOKEN_IDS + 1)), f"more than {MAX_TOKEN_IDS:,} token ids"),
 ])
 def test_bad_values_are_refused_naming_the_field(settings, message):
     with pytest.raises(InvalidArgumentError, match=re.escape(message)) as caught:
@@ -147,6 +179,27 @@ def test_greedy_tokens_with_penalties_and_bias_match_a_loop_by_hand(kind, make_t
         assert engine.stats().speculative.proposed > 0
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "paged", "paged-ngram"])
+def test_min_tokens_and_allowed_token_ids_through_the_engine(kind, make_tiny_artifact, tiny_paged_artifact, prompts):
+    """EOS pushed up by +100 comes exactly at min_tokens; allowed_token_ids gives the by-hand loop's tokens, all of
+    them allowed; a stop id ends the output."""
+    artifact = tiny_paged_artifact if kind.startswith("paged") else make_tiny_artifact("llama")
+    engine = fxllm.load(artifact, speculative="ngram" if kind.endswith("ngram") else False)
+    eos = min(engine.core.eos_token_ids)
+    for result in engine.generate_ids(prompts, max_new_tokens=12, min_tokens=5, logit_bias={eos: 100.0}):
+        assert len(result.token_ids) == 6 and result.token_ids[-1] == eos and eos not in result.token_ids[:5]
+    plain = engine.generate_ids(prompts, max_new_tokens=12)
+    allowed = sorted({token for r in plain for token in r.token_ids[1:6]} | set(range(300, 340)))
+    params = SamplingParams(max_tokens=12, allowed_token_ids=allowed, repetition_penalty=1.3)
+    results = engine.generate_ids(prompts, max_new_tokens=12, allowed_token_ids=allowed, repetition_penalty=1.3)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == greedy_by_hand(engine, prompt, params, 12) and set(result.token_ids) <= set(allowed)
+    stop = results[0].token_ids[3]
+    stopped = engine.generate_ids(prompts[:1], max_new_tokens=12, allowed_token_ids=allowed, repetition_penalty=1.3,
+                                  stop_token_ids=[stop])[0]
+    assert stopped.token_ids == results[0].token_ids[:results[0].token_ids.index(stop) + 1]
+
+
 def test_logit_bias_ids_are_checked_against_the_vocabulary(tiny_paged_artifact, prompts):
     engine = fxllm.load(tiny_paged_artifact)
     vocab = engine.spec.vocab_size
@@ -155,3 +208,10 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary(tiny_paged_artifact, 
         engine.generate_ids(prompts, max_new_tokens=2, logit_bias={vocab: 1.0})
     assert caught.value.param == "logit_bias"
     assert engine.generate_ids(prompts, max_new_tokens=2, logit_bias={vocab - 1: 1.0})[0].token_ids  # nothing lost
+    with pytest.raises(InvalidArgumentError, match=r"allowed_token_ids\[1\] = \d+ is not a token id"):
+        engine.generate_ids(prompts, max_new_tokens=2, allowed_token_ids=[1, vocab])
+    eos = sorted(engine.core.eos_token_ids)
+    with pytest.raises(InvalidArgumentError, match="allowed_token_ids holds only end-of-sequence or stop token ids, "
+                                                   r"which min_tokens \(2\) forbids") as caught:
+        engine.generate_ids(prompts, max_new_tokens=4, min_tokens=2, allowed_token_ids=eos)  # nothing to sample
+    assert caught.value.param == "allowed_token_ids"

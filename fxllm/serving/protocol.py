@@ -5,7 +5,8 @@ The schema states types only: a value of the right type that the engine refuses 
 longer than the context) is answered 400 with the engine's own one-line message, a value of the wrong type 422.
 Unknown request fields are ignored (as vLLM does); fields of the reference, and vLLM extensions, that fxllm does not
 implement are accepted at their defaults and refused (400, naming the field) otherwise. Extensions (as vLLM spells
-them): `top_k` (0 or -1: no limit), `min_p`, `repetition_penalty`, `ignore_eos` and chat's `chat_template_kwargs`.
+them): `top_k` (0 or -1: no limit), `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
+`allowed_token_ids`, `ignore_eos` and chat's `chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -39,10 +40,7 @@ class _VllmExtensions(_Request):
     is refused naming the field (400; sampling.check_supported) instead of being ignored as unknown fields are: a
     client asking for `guided_json` must not get free text as if it had been applied."""
 
-    min_tokens: Optional[Any] = Field(None, description="vLLM extension, not supported: 0")
-    stop_token_ids: Optional[Any] = Field(None, description="vLLM extension, not supported: []")
     bad_words: Optional[Any] = Field(None, description="vLLM extension, not supported: []")
-    allowed_token_ids: Optional[Any] = Field(None, description="vLLM extension, not supported")
     include_stop_str_in_output: Optional[Any] = Field(None, description="vLLM extension, not supported: false")
     skip_special_tokens: Optional[Any] = Field(None, description="vLLM extension, not supported: true")
     guided_json: Optional[Any] = Field(None, description="vLLM extension, not supported")
@@ -76,6 +74,11 @@ class _SamplingFields(_VllmExtensions):
     repetition_penalty: Optional[float] = Field(None, description="vLLM extension: 0.01 to 100, 1 off; divides the "
                                                                   "positive logits of prompt and output tokens, "
                                                                   "multiplies the negative ones")
+    min_tokens: Optional[int] = Field(None, description="vLLM extension: no EOS or stop token before this many tokens")
+    stop_token_ids: Optional[_FailFast[int]] = Field(None, description="vLLM extension: token ids that end the "
+                                                                       "output (at most 65,536)")
+    allowed_token_ids: Optional[_FailFast[int]] = Field(None, description="vLLM extension: the only token ids that "
+                                                                          "may be sampled (at most 65,536)")
     user: Optional[str] = None
 
 

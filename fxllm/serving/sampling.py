@@ -20,12 +20,12 @@ from fxllm.serving.service import MAX_CHOICES
 
 
 # sampling fields whose null means this default
-NULL_MEANS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+NULL_MEANS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+              "min_tokens": 0, "stop_token_ids": (), "allowed_token_ids": None}
 
 # vLLM's extensions fxllm does not implement (protocol._VllmExtensions) → the values that change nothing (besides
 # null); any other value is refused.
-VLLM_DEFAULTS = {"min_tokens": (0,), "stop_token_ids": ([],),
-                 "bad_words": ([],), "allowed_token_ids": (), "include_stop_str_in_output": (False,),
+VLLM_DEFAULTS = {"bad_words": ([],), "include_stop_str_in_output": (False,),
                  "skip_special_tokens": (True,), "guided_json": (), "guided_regex": (), "guided_choice": (),
                  "guided_grammar": (), "structured_outputs": ()}
 

@@ -279,6 +279,26 @@ def test_penalties_logit_bias_and_min_p_equal_the_engine(client, engine):
     assert chat.choices[0].message.content == chat_expected.text
 
 
+def test_min_tokens_stop_token_ids_and_allowed_token_ids(client, engine):
+    """vLLM's min_tokens, stop_token_ids and allowed_token_ids give the in-process engine's tokens; an EOS forced by
+    logit_bias comes at min_tokens; a stop id ends the choice with finish_reason "stop"."""
+    eos = min(engine.core.eos_token_ids)
+    forced = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                       logit_bias={str(eos): 100}, extra_body={"min_tokens": 5})
+    assert forced.usage.completion_tokens == 6 and forced.choices[0].finish_reason == "stop"
+    plain = greedy(engine, PROMPTS[0], 12)
+    allowed = sorted(set(plain.token_ids[1:8]) | set(range(300, 340)))
+    expected = engine.generate(PROMPTS[0], max_new_tokens=12, allowed_token_ids=allowed)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                         extra_body={"allowed_token_ids": allowed})
+    assert response.choices[0].text == expected.text and set(expected.token_ids) <= set(allowed)
+    stop = expected.token_ids[2]
+    stopped = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                        extra_body={"allowed_token_ids": allowed, "stop_token_ids": [stop]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == expected.token_ids.index(stop) + 1
+
+
 def test_streamed_chat_usage_and_logprobs(client, engine):
     """stream_options.include_usage: every chunk has `usage: null` and a last chunk without choices has the usage of
     the unstreamed reply; streamed logprobs equal the unstreamed ones position by position."""
@@ -374,6 +394,12 @@ def error_of(response: httpx.Response) -> dict:
     ({"model": MODEL, "prompt": "x", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),  # int() refuses: was a 500
     ({"model": MODEL, "prompt": "x", "logit_bias": {"\u0663": 1}}, 400, "logit_bias"),  # int() would read 3
     ({"model": MODEL, "prompt": "x", "repetition_penalty": 1e-40}, 400, "repetition_penalty"),  # was inf logits
+    ({"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"model": MODEL, "prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"model": MODEL, "prompt": "x", "allowed_token_ids": [1, 10 ** 7]}, 400, "allowed_token_ids"),
+    ({"model": MODEL, "prompt": "x", "allowed_token_ids": [2], "min_tokens": 1}, 400, "allowed_token_ids"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(65537))}, 400, "stop_token_ids"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
