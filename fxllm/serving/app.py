@@ -32,7 +32,7 @@ from fxllm.serving.protocol import (ChatCompletionRequest, ChatCompletionRespons
 MAX_BODY_BYTES = 4 * 1024 * 1024
 BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 415, 422, 429, 500, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 415, 429, 500, 503)}
 # One server-sent event (OpenAPI before 3.2: the `schema` of an event stream describes each event).
 _EVENT = {"type": "object", "required": ["data"],
           "properties": {"data": {"type": "string", "description": "a chunk as JSON (the response object with text or "

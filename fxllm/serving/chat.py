@@ -106,13 +106,13 @@ def template_variables(kwargs: dict | None) -> dict:
 
 def part_text(where: str, part: ContentPart) -> str:
     """The text of a content part at `where` (`messages.0.content.1`); 400 naming a part of another type (an image
-    cannot be given to a text model), 422 for a text part without its text."""
+    cannot be given to a text model), 400 for a text part without its text."""
     if part.type != "text":
         shown = part.type if len(part.type) <= MAX_TYPE_SHOWN else part.type[:MAX_TYPE_SHOWN] + "..."
         raise APIError(400, f"{where} is a content part of type '{shown}'; this server takes text only (parts of "
                             "type 'text')", param=f"{where}.type")
     if part.text is None:
-        raise APIError(422, f"missing required parameter '{where}.text'", param=f"{where}.text")
+        raise APIError(400, f"missing required parameter '{where}.text'", param=f"{where}.text")
     return part.text
 
 

@@ -5,13 +5,14 @@
 | 400 | not JSON, or JSON that cannot be read (not UTF-8, nested too deeply) |
 | 400 | a value the engine refuses (its GenerationError's message; `param` of an InvalidArgumentError) |
 | 400 | an unsupported field, `n` out of range, more choices than the server admits at once |
+| 400 | a JSON body that does not fit the schema (not an object, wrong types, missing fields): OpenAI's and vLLM's |
+|     | status for these, not FastAPI's 422, so an OpenAI client raises its BadRequestError |
 | 401 | a missing or wrong API key |
 | 404 | an unknown model or route |
 | 405 | a wrong method |
 | 408 | a body that does not arrive within the body timeout (a Content-Length the client does not send) |
 | 413 | a body over the size limit |
 | 415 | a body sent without a JSON Content-Type (none, or e.g. `curl -d`'s form encoding), or compressed |
-| 422 | a JSON body that does not fit the schema (not an object, wrong types, missing fields) |
 | 429 | the request queue is full (retry later) |
 | 500 | a model call failed, or a bug: a one-line message, never a traceback (the server log has it) |
 | 503 | the server is shutting down |
@@ -40,7 +41,7 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|^[a-z_-]+\[.*\]$
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+               415: "invalid_request_error", 429: "rate_limit_error",
                500: "server_error", 503: "service_unavailable"}
 
 
@@ -110,7 +111,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         message = f"invalid value for '{param}': {message}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return APIError(422, _one_line(message), param=param).response()
+    return APIError(400, _one_line(message), param=param).response()
 
 
 def _location(error: Mapping) -> list[str]:
@@ -145,13 +146,13 @@ _JSON_TYPES = ((type(None), "null"), (bool, "a boolean"), (int, "a number"), (fl
 def not_an_object(content_type: str | None, body) -> APIError:
     """A body that is not a JSON object: bytes FastAPI did not parse because the Content-Type is not JSON (415: `curl
     -d` sends form encoding; a body without a Content-Type is not parsed either, FastAPI's guard against cross-site
-    requests), or JSON of another type (422)."""
+    requests), or JSON of another type (400)."""
     if isinstance(body, (bytes, bytearray)):
         came = f"came as '{shown(content_type)}'" if content_type else "came without a Content-Type"
         return APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json'; this one "
                              f"{came}")
     kind = next((name for kind, name in _JSON_TYPES if isinstance(body, kind)), type(body).__name__)
-    return APIError(422, f"the request body must be a JSON object, not {kind}")
+    return APIError(400, f"the request body must be a JSON object, not {kind}")
 
 
 def not_accepting() -> APIError:

@@ -2,7 +2,8 @@
 
 Field names, types and defaults follow the OpenAI API reference (completions, chat completions, models, errors).
 The schema states types only: a value of the right type that the engine refuses (a negative temperature, a prompt
-longer than the context) is answered 400 with the engine's own one-line message, a value of the wrong type 422.
+longer than the context) is answered 400 with the engine's own one-line message, a value of the wrong type 400 too
+(naming the field, as OpenAI and vLLM answer it; FastAPI's default would be 422).
 Unknown request fields are ignored (as vLLM does); fields of the reference, and vLLM extensions, that fxllm does not
 implement are accepted at their defaults and refused (400, naming the field) otherwise. Extensions (as vLLM spells
 them): `top_k` (0 or -1: no limit), `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
-    # strict: `true` is not the integer 1 nor "yes" a boolean (an integer is still a number); a wrong type is a 422
+    # strict: `true` is not the integer 1 nor "yes" a boolean (an integer is still a number); a wrong type is a 400
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
