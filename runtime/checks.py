@@ -133,10 +133,20 @@ def integers(param: str, value: Any, minimum: int | None = None, maximum: int | 
     checked), where given."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise InvalidArgumentError(param, f"{param} must be a list of integers, got {describe(value)}")
+    if plain_ints_within(value, minimum, maximum) and (most is None or len(value) <= most):
+        return value  # already checked (dataclasses.replace checks a SamplingParams' stored tuples again)
     items = list(value if most is None else islice(value, most + 1))
     if most is not None and len(items) > most:
         raise InvalidArgumentError(param, f"{param} holds more than {most:,} token ids")
     return tuple(integer(f"{param}[{i}]", item, minimum, maximum, param=param) for i, item in enumerate(items))
+
+
+def plain_ints_within(value: Any, minimum: int | None, maximum: int | None) -> bool:
+    """Whether `value` is a tuple of Python ints (not bools) in range: the fast path of a list checked before, where
+    checking each item on its own took ~1 µs an id (0.1 s for a server request's 65,536 ids, once per choice)."""
+    if type(value) is not tuple or not all(type(item) is int for item in value):
+        return False
+    return not value or ((minimum is None or min(value) >= minimum) and (maximum is None or max(value) <= maximum))
 
 
 def _check_range(name: str, param: str, value: float, minimum: float | None, maximum: float | None) -> None:

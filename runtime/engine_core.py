@@ -95,13 +95,23 @@ class EngineCore:
                         param="logit_bias")  # numpy would index past the row, or wrap a negative id
         if params.allowed_token_ids is not None:
             check_token_ids("allowed_token_ids", params.allowed_token_ids, self.vocab_size)
-            ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-            if params.min_tokens and ending.issuperset(params.allowed_token_ids):  # a row with nothing to sample
-                raise InvalidArgumentError("allowed_token_ids", "allowed_token_ids holds only end-of-sequence or stop "
-                                                                f"token ids, which min_tokens ({params.min_tokens}) "
-                                                                "forbids for the first tokens")
+        if params.min_tokens:
+            self._check_something_to_sample(params)
         self.scheduler.check_fits(len(ids), params.max_tokens)
         return ids
+
+    def _check_something_to_sample(self, params: SamplingParams) -> None:
+        """min_tokens masks every id that ends the request: refused when nothing would be left (the sampler would
+        see a row without a finite logit, which it reports as a broken model, for the whole call)."""
+        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.allowed_token_ids is not None and ending.issuperset(params.allowed_token_ids):
+            raise InvalidArgumentError("allowed_token_ids", "allowed_token_ids holds only end-of-sequence or stop "
+                                                            f"token ids, which min_tokens ({params.min_tokens}) "
+                                                            "forbids for the first tokens")
+        if len(ending) >= self.vocab_size:  # every id is checked to be < vocab_size
+            raise InvalidArgumentError("stop_token_ids", "stop_token_ids and the end-of-sequence ids cover the whole "
+                                                         f"vocabulary, which min_tokens ({params.min_tokens}) forbids "
+                                                         "for the first tokens")
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Stop a request now: its KV blocks are free when this returns; the next step() returns its final output

@@ -28,7 +28,7 @@ class LogitsAdjuster:
         self._bias_ids = np.fromiter((token for token, _ in params.logit_bias), dtype=np.int64)
         self._biases = np.fromiter((bias for _, bias in params.logit_bias), dtype=np.float32)
         self._prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
-        self._counts: np.ndarray | None = None  # [V] each token's count in the output so far
+        self._counts: np.ndarray | None = None  # [V] int32, each token's count in the output so far
         self._seen: np.ndarray | None = None  # [V] in the prompt or the output so far
         self._counted = 0  # output tokens in _counts
 
@@ -64,7 +64,7 @@ class LogitsAdjuster:
 
     def _count(self, output_ids: Sequence[int], vocab_size: int) -> None:
         if self._counts is None or len(output_ids) < self._counted:  # first call (or another history: recount)
-            self._counts = np.zeros(vocab_size, dtype=np.int64)
+            self._counts = np.zeros(vocab_size, dtype=np.int32)
             self._seen = np.zeros(vocab_size, dtype=bool)
             self._seen[self._prompt_ids] = True
             self._counted = 0

@@ -3,6 +3,7 @@ RequestOutput (what one engine step produced for it)."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -51,8 +52,8 @@ class SamplingParams:
     stop: strings that end generation (the text is cut before them; at most MAX_STOP_STRINGS of at most
     MAX_STOP_CHARS characters); stop_token_ids: ids that end it (the id is the last output token, its text is not
     shown); ignore_eos: do not stop at the model's EOS ids. min_tokens: an int >= 0 (at most max_tokens): the EOS ids
-    (unless ignore_eos) and stop_token_ids cannot be sampled before this many tokens (vLLM's; stop strings still
-    apply). allowed_token_ids: None (all), or the only ids that may be sampled (a non-empty list).
+    (unless ignore_eos) and stop_token_ids cannot be sampled before this many tokens (vLLM's masking; unlike vLLM v1,
+    which also skips stop strings until then, a stop string still ends the output). allowed_token_ids: None (all), or the only ids that may be sampled (a non-empty list).
     stop_token_ids and allowed_token_ids hold at most MAX_TOKEN_IDS ids each.
     logprobs: None, or N >= 0: every generated token's logprob plus the N most likely alternatives;
     prompt_logprobs: the same for every prompt token (the first has none), in the first output.
@@ -125,6 +126,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        """These params with another seed, the seed checked and nothing else again (a server request's n choices
+        share lists of up to MAX_TOKEN_IDS ids, which dataclasses.replace would check once per choice)."""
+        params = copy.copy(self)
+        object.__setattr__(params, "seed", None if seed is None else integer("seed", seed, minimum=MIN_SEED))
+        return params
 
     @property
     def penalizes(self) -> bool:

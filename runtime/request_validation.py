@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fxllm.errors import GenerationError, InvalidArgumentError
-from fxllm.runtime.checks import byte_size, describe, flag, integer, short, text
+from fxllm.runtime.checks import byte_size, describe, flag, integer, plain_ints_within, short, text
 from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.runtime.paged_cache import parse_bytes
 from fxllm.runtime.request import SamplingParams
@@ -41,14 +41,20 @@ def check_request(max_new_tokens: Any = 64, temperature: Any = 0.0, top_k: Any =
                   seed: Any = None, stop: Any = None, chat: Any = False, *, min_p: Any = 0.0,
                   presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0, repetition_penalty: Any = 1.0,
                   logit_bias: Any = None, min_tokens: Any = 0, stop_token_ids: Any = (),
-                  allowed_token_ids: Any = None) -> GenerationRequest:
+                  allowed_token_ids: Any = None, ignore_eos: Any = False, **unknown: Any) -> GenerationRequest:
     """Engine.generate / generate_ids / stream's keyword arguments → a GenerationRequest. max_new_tokens: an int
-    >= 1; stop: None, a string or an iterable of strings; chat: a bool; the rest as SamplingParams."""
+    >= 1; stop: None, a string or an iterable of strings; chat: a bool; the rest as SamplingParams. An unknown
+    keyword is an InvalidArgumentError naming it (not a TypeError naming this function)."""
+    if unknown:
+        name = next(iter(unknown))
+        raise InvalidArgumentError(name, f"{name} is not a generation option (see SamplingParams in "
+                                         "fxllm.runtime.request for the options there are)")
     max_new_tokens = integer("max_new_tokens", max_new_tokens, minimum=1)
     sampling = SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens, stop=stop, min_p=min_p,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
-                              stop_token_ids=stop_token_ids, allowed_token_ids=allowed_token_ids)
+                              stop_token_ids=stop_token_ids, allowed_token_ids=allowed_token_ids,
+                              ignore_eos=ignore_eos)
     return GenerationRequest(max_new_tokens, sampling, flag("chat", chat))
 
 
@@ -102,6 +108,8 @@ def check_token_ids(name: str, token_ids: Any, vocab_size: int, *, param: str | 
     param = param or name
     if isinstance(token_ids, (str, bytes, Mapping)) or not isinstance(token_ids, Iterable):
         raise InvalidArgumentError(param, f"{name} must be a list of token ids, got {describe(token_ids)}")
+    if plain_ints_within(token_ids, 0, vocab_size - 1):
+        return list(token_ids)
     ids = [integer(f"{name}[{j}]", token, param=param) for j, token in enumerate(token_ids)]
     bad = next((j for j, token in enumerate(ids) if not 0 <= token < vocab_size), None)
     if bad is not None:

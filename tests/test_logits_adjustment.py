@@ -215,3 +215,21 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary(tiny_paged_artifact, 
                                                    r"which min_tokens \(2\) forbids") as caught:
         engine.generate_ids(prompts, max_new_tokens=4, min_tokens=2, allowed_token_ids=eos)  # nothing to sample
     assert caught.value.param == "allowed_token_ids"
+    with pytest.raises(InvalidArgumentError, match="stop_token_ids and the end-of-sequence ids cover the whole "
+                                                   r"vocabulary, which min_tokens \(1\) forbids") as caught:
+        engine.generate_ids(prompts, max_new_tokens=4, min_tokens=1, stop_token_ids=range(vocab))  # a -inf row
+    assert caught.value.param == "stop_token_ids"
+    with pytest.raises(InvalidArgumentError, match="^temprature is not a generation option") as caught:
+        engine.generate_ids(prompts, max_new_tokens=2, temprature=0.5)  # not a TypeError naming check_request
+    assert caught.value.param == "temprature"
+    one_left = engine.generate_ids(prompts, max_new_tokens=2, min_tokens=1, stop_token_ids=range(vocab - 1))
+    assert all(result.token_ids[0] == vocab - 1 for result in one_left)  # the one id neither EOS nor a stop id
+
+
+def test_with_seed_copies_checked_params_with_another_seed():
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=8, stop_token_ids=range(1000), logit_bias={4: 1.0})
+    other = params.with_seed(9)
+    assert other.seed == 9 and params.seed == 3 and other.stop_token_ids is params.stop_token_ids
+    assert replace(other, seed=3) == params and params.with_seed(None).seed is None
+    with pytest.raises(InvalidArgumentError, match="seed must be an integer"):
+        params.with_seed("9")

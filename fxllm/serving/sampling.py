@@ -87,13 +87,12 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, n: int, 
     adjustments = {name: default if getattr(request, name) is None else getattr(request, name)
                    for name, default in NULL_MEANS.items()}
     try:
-        logit_bias = _logit_bias(request.logit_bias)
-        return [SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
+        first = SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                                top_k=top_k, top_p=1.0 if request.top_p is None else request.top_p,
-                               seed=None if request.seed is None else request.seed + i, max_tokens=max_tokens,
-                               stop=stop, ignore_eos=bool(request.ignore_eos), logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs, logit_bias=logit_bias, **adjustments)
-                for i in range(n)]
+                               seed=request.seed, max_tokens=max_tokens, stop=stop,
+                               ignore_eos=bool(request.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                               logit_bias=_logit_bias(request.logit_bias), **adjustments)
+        return [first] + [first.with_seed(None if request.seed is None else request.seed + i) for i in range(1, n)]
     except GenerationError as exc:
         raise bad_request(exc, fields) from None
 

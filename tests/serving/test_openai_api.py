@@ -399,6 +399,7 @@ def error_of(response: httpx.Response) -> dict:
     ({"model": MODEL, "prompt": "x", "allowed_token_ids": [1, 10 ** 7]}, 400, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "x", "allowed_token_ids": [2], "min_tokens": 1}, 400, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(49152)), "min_tokens": 1}, 400, "stop_token_ids"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(65537))}, 400, "stop_token_ids"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
