@@ -18,10 +18,11 @@ class IncrementalDetokenizer:
     """Streams only text that can no longer change: an open multi-byte character, a tail that could still grow
     into a stop string, a space a clean-up rule could still remove, or the text of a run of byte-fallback tokens
     that a later byte could still turn into U+FFFD, is held back until it resolves (and flushed by finish()).
-    `text` equals the tokenizer's decode of every token added (cut before a stop string) whenever it ends in a
-    complete character, and after finish()."""
+    `text` equals the tokenizer's decode of every token added (cut before a stop string, or after it with
+    include_stop) whenever it ends in a complete character, and after finish(). As vLLM's, no stop string ends the
+    text before min_tokens tokens: the text of those is not searched, and a later match must end past it."""
 
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, *, include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -33,6 +34,9 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that ended the text
         self._searched = 0  # characters of text searched for stop strings (without an open character's U+FFFD)
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self._floor = 0  # a stop string must end past this character: the text of the first min_tokens tokens
         self._settled = ""  # the decode of token_ids[:self._boundaries[-1]], which ends in no open character
         self._boundaries = [0]  # every settled token count so far, ascending: where a window may start
         self._is_fallback_byte = getattr(tokenizer, "is_fallback_byte", None)
@@ -51,7 +55,9 @@ class IncrementalDetokenizer:
         settled = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
         # a stop in an open byte-fallback run matches at once (a "\n" is the byte token <0x0A> in Llama 2's
         # vocabulary): stopping freezes the run as decoded; only its streaming waits for the run to resolve
-        if self._cut_at_stop(settled):
+        if len(self.token_ids) <= self.min_tokens:
+            self._searched = self._floor = settled
+        elif self._cut_at_stop(settled):
             return self.finish()
         stable = settled if self._byte_run_start is None else min(settled, self._byte_run_start)
         return self._emit_until(max(self.emitted, stable - self.holdback))
@@ -62,7 +68,8 @@ class IncrementalDetokenizer:
         if not self.stopped:
             if self.text.endswith("\ufffd"):
                 self.text = self.tokenizer.decode(self.token_ids)
-            self._cut_at_stop(len(self.text))
+            if len(self.token_ids) > self.min_tokens:
+                self._cut_at_stop(len(self.text))
         return self._emit_until(len(self.text))
 
     def _cut_at_stop(self, end: int) -> bool:
@@ -70,12 +77,13 @@ class IncrementalDetokenizer:
         of a character still open at its end, which must not match) and was not searched before; a stop may straddle
         tokens, and the earliest in the text wins whatever the order of the list."""
         found = [(at, stop) for stop in self.stop
-                 if (at := self.text.find(stop, max(0, self._searched - len(stop) - CLEAN_UP_HOLDBACK), end)) != -1]
+                 if (at := self.text.find(stop, max(0, self._searched - len(stop) - CLEAN_UP_HOLDBACK,
+                                                    self._floor - len(stop) + 1), end)) != -1]
         self._searched = max(self._searched, end)
         if not found:
             return False
         at, stop = min(found, key=lambda item: item[0])
-        self.text = self.text[:at]
+        self.text = self.text[:at + len(stop)] if self.include_stop else self.text[:at]
         self.stopped, self.stop_string = True, stop
         return True
 

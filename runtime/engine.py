@@ -279,7 +279,7 @@ class Engine:
         """Generate for one prompt (returns one result) or a list of prompts of any lengths (returns a list).
         adjustments (keyword only, as SamplingParams): min_p, presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias ({token id: bias}), min_tokens, stop_token_ids, allowed_token_ids,
-        ignore_eos; so for generate_ids, stream and sampling_params."""
+        ignore_eos, include_stop_str_in_output; so for generate_ids, stream and sampling_params."""
         texts, single = check_prompts(prompts)
         request = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop, chat, **adjustments)
         results = self._run([self._encode_row(i, t, request.chat, single) for i, t in enumerate(texts)], request,

@@ -52,8 +52,10 @@ class SamplingParams:
     stop: strings that end generation (the text is cut before them; at most MAX_STOP_STRINGS of at most
     MAX_STOP_CHARS characters); stop_token_ids: ids that end it (the id is the last output token, its text is not
     shown); ignore_eos: do not stop at the model's EOS ids. min_tokens: an int >= 0 (at most max_tokens): the EOS ids
-    (unless ignore_eos) and stop_token_ids cannot be sampled before this many tokens (vLLM's masking; unlike vLLM v1,
-    which also skips stop strings until then, a stop string still ends the output). allowed_token_ids: None (all), or the only ids that may be sampled (a non-empty list).
+    (unless ignore_eos) and stop_token_ids cannot be sampled before this many tokens, and no stop string ends the
+    output before them (vLLM v1's rule: the text of those tokens is not searched, a later match must end past it).
+    include_stop_str_in_output: the text ends after the stop string instead of before it. allowed_token_ids: None
+    (all), or the only ids that may be sampled (a non-empty list).
     stop_token_ids and allowed_token_ids hold at most MAX_TOKEN_IDS ids each.
     logprobs: None, or N >= 0: every generated token's logprob plus the N most likely alternatives;
     prompt_logprobs: the same for every prompt token (the first has none), in the first output.
@@ -88,6 +90,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -110,6 +113,7 @@ class SamplingParams:
                                                *REPETITION_PENALTY_RANGE))
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
         set_(self, "min_tokens", integer("min_tokens", self.min_tokens, minimum=0))
+        flag("include_stop_str_in_output", self.include_stop_str_in_output)
         if self.min_tokens > self.max_tokens:
             raise InvalidArgumentError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                                                      f"({self.max_tokens})")
@@ -233,7 +237,9 @@ class Request:
         self.logits_adjuster = adjuster(params, self.prompt_token_ids, eos_token_ids)  # None: no logit changes
         self.final_only = params.output_kind == "final"
         self.detokenizer = (FinalDetokenizer(tokenizer) if self.final_only and not params.stop
-                            else IncrementalDetokenizer(tokenizer, list(params.stop)))
+                            else IncrementalDetokenizer(tokenizer, list(params.stop),
+                                                        include_stop=params.include_stop_str_in_output,
+                                                        min_tokens=params.min_tokens))
         self.pending_logprobs: list[TokenLogprobs] = []  # a final-only request's, until its one output
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.prompt_logprobs_sent = False

@@ -41,7 +41,8 @@ def check_request(max_new_tokens: Any = 64, temperature: Any = 0.0, top_k: Any =
                   seed: Any = None, stop: Any = None, chat: Any = False, *, min_p: Any = 0.0,
                   presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0, repetition_penalty: Any = 1.0,
                   logit_bias: Any = None, min_tokens: Any = 0, stop_token_ids: Any = (),
-                  allowed_token_ids: Any = None, ignore_eos: Any = False, **unknown: Any) -> GenerationRequest:
+                  allowed_token_ids: Any = None, ignore_eos: Any = False, include_stop_str_in_output: Any = False,
+                  **unknown: Any) -> GenerationRequest:
     """Engine.generate / generate_ids / stream's keyword arguments → a GenerationRequest. max_new_tokens: an int
     >= 1; stop: None, a string or an iterable of strings; chat: a bool; the rest as SamplingParams. An unknown
     keyword is an InvalidArgumentError naming it (not a TypeError naming this function)."""
@@ -54,7 +55,7 @@ def check_request(max_new_tokens: Any = 64, temperature: Any = 0.0, top_k: Any =
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
                               stop_token_ids=stop_token_ids, allowed_token_ids=allowed_token_ids,
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos, include_stop_str_in_output=include_stop_str_in_output)
     return GenerationRequest(max_new_tokens, sampling, flag("chat", chat))
 
 

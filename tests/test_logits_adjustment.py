@@ -198,6 +198,10 @@ def test_min_tokens_and_allowed_token_ids_through_the_engine(kind, make_tiny_art
     stopped = engine.generate_ids(prompts[:1], max_new_tokens=12, allowed_token_ids=allowed, repetition_penalty=1.3,
                                   stop_token_ids=[stop])[0]
     assert stopped.token_ids == results[0].token_ids[:results[0].token_ids.index(stop) + 1]
+    text = engine.tokenizer.decode(plain[0].token_ids[:1])  # a stop string the output starts with
+    early = engine.generate_ids(prompts[:1], max_new_tokens=12, stop=text)[0]
+    late = engine.generate_ids(prompts[:1], max_new_tokens=12, stop=text, min_tokens=6)[0]
+    assert len(early.token_ids) == 1 and early.text == "" and len(late.token_ids) >= 6  # vLLM v1's rule
 
 
 def test_logit_bias_ids_are_checked_against_the_vocabulary(tiny_paged_artifact, prompts):

@@ -132,6 +132,28 @@ def test_a_stop_string_matches_only_characters_already_decoded(pair):
         assert "\u2713" not in ours.decode(ids[:used - 1]) and "\u2713" in ours.decode(ids[:used]), name
 
 
+def test_stop_strings_wait_for_min_tokens_and_may_stay_in_the_text(tokenizer_dir):
+    """As vLLM v1: no stop string ends the text before min_tokens tokens (a match must end past their text), and
+    include_stop keeps the stop string; streamed deltas add up to the text either way."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    text = "the cat sat on the mat, the dog sat on the log, then all sat down"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    whole = tokenizer.decode(ids)
+    for min_tokens in range(len(ids)):
+        floor = len(tokenizer.decode(ids[:min_tokens]))
+        at = whole.find("sat", max(0, floor - len("sat") + 1))
+        for include in (False, True):
+            detokenizer, streamed = IncrementalDetokenizer(tokenizer, ["sat"], include_stop=include,
+                                                           min_tokens=min_tokens), ""
+            for token in ids:
+                streamed += detokenizer.add(token)
+                if detokenizer.stopped:
+                    break
+            streamed += detokenizer.finish()
+            expected = whole if at == -1 else whole[:at + len("sat") * include]
+            assert detokenizer.text == streamed == expected, (min_tokens, include)
+
+
 def test_a_long_generation_detokenizes_in_windows(tokenizer_dir):
     """A token's text comes from decoding a few tokens, not the whole text: the decoder sees at most 2 x
     WINDOW_TOKENS + 1 ids a call however long the text grows (each decode of all ids made a generation

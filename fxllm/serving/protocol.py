@@ -7,7 +7,7 @@ longer than the context) is answered 400 with the engine's own one-line message,
 Unknown request fields are ignored (as vLLM does); fields of the reference, and vLLM extensions, that fxllm does not
 implement are accepted at their defaults and refused (400, naming the field) otherwise. Extensions (as vLLM spells
 them): `top_k` (0 or -1: no limit), `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
-`allowed_token_ids`, `ignore_eos` and chat's `chat_template_kwargs`.
+`allowed_token_ids`, `include_stop_str_in_output`, `ignore_eos` and chat's `chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ class _VllmExtensions(_Request):
     client asking for `guided_json` must not get free text as if it had been applied."""
 
     bad_words: Optional[Any] = Field(None, description="vLLM extension, not supported: []")
-    include_stop_str_in_output: Optional[Any] = Field(None, description="vLLM extension, not supported: false")
     skip_special_tokens: Optional[Any] = Field(None, description="vLLM extension, not supported: true")
     guided_json: Optional[Any] = Field(None, description="vLLM extension, not supported")
     guided_regex: Optional[Any] = Field(None, description="vLLM extension, not supported")
@@ -80,6 +79,8 @@ class _SamplingFields(_VllmExtensions):
                                                                        "output (at most 65,536)")
     allowed_token_ids: Optional[_FailFast[int]] = Field(None, description="vLLM extension: the only token ids that "
                                                                           "may be sampled (at most 65,536)")
+    include_stop_str_in_output: Optional[bool] = Field(None, description="vLLM extension: the text ends after the "
+                                                                         "stop string instead of before it")
     user: Optional[str] = None
 
 

@@ -21,11 +21,11 @@ from fxllm.serving.service import MAX_CHOICES
 
 # sampling fields whose null means this default
 NULL_MEANS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-              "min_tokens": 0, "stop_token_ids": (), "allowed_token_ids": None}
+              "min_tokens": 0, "stop_token_ids": (), "allowed_token_ids": None, "include_stop_str_in_output": False}
 
 # vLLM's extensions fxllm does not implement (protocol._VllmExtensions) → the values that change nothing (besides
 # null); any other value is refused.
-VLLM_DEFAULTS = {"bad_words": ([],), "include_stop_str_in_output": (False,),
+VLLM_DEFAULTS = {"bad_words": ([],),
                  "skip_special_tokens": (True,), "guided_json": (), "guided_regex": (), "guided_choice": (),
                  "guided_grammar": (), "structured_outputs": ()}
 

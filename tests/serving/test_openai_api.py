@@ -297,6 +297,11 @@ def test_min_tokens_stop_token_ids_and_allowed_token_ids(client, engine):
                                         extra_body={"allowed_token_ids": allowed, "stop_token_ids": [stop]})
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == expected.token_ids.index(stop) + 1
+    cut = expected.text[len(expected.text) // 2:][:3]  # a stop string from the text's second half
+    kept = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                     stop=[cut], extra_body={"allowed_token_ids": allowed,
+                                                             "include_stop_str_in_output": True})
+    assert kept.choices[0].text == expected.text[:expected.text.index(cut) + len(cut)]
 
 
 def test_streamed_chat_usage_and_logprobs(client, engine):

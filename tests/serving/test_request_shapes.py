@@ -230,7 +230,6 @@ def test_a_value_nested_too_deeply_for_the_template_is_a_400_naming_its_field(lo
 @pytest.mark.parametrize("field, value, default", [
     ("guided_json", {"type": "object"}, None), ("guided_choice", ["yes", "no"], None),
     ("structured_outputs", {"regex": "a+"}, None), ("bad_words", ["x"], []), ("skip_special_tokens", False, True),
-    ("include_stop_str_in_output", True, False),
 ])
 def test_a_vllm_extension_fxllm_lacks_is_refused_unless_at_its_default(loaded, field, value, default):
     """A vLLM client's `guided_json` (or bad_words, ...) is not silently ignored: a 400 naming it, on both endpoints;
