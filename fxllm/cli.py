@@ -366,13 +366,15 @@ def _logit_bias(entries: list[str]) -> dict[int, float]:
     bias = {}
     for entry in entries:
         token, _, value = entry.partition("=")
+        token_id = token_id_text(token)
         try:
-            if token_id_text(token) is None:
-                raise ValueError
-            bias[token_id_text(token)] = float(value)
+            number = float(value)
         except ValueError:
+            number = None
+        if token_id is None or number is None:
             raise UsageError(f"--logit-bias {short(entry)}: expected TOKEN_ID=BIAS (a token id in ASCII digits), e.g. "
-                             "--logit-bias 2=-100") from None
+                             "--logit-bias 2=-100")
+        bias[token_id] = number
     return bias
 
 

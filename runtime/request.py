@@ -31,6 +31,10 @@ MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range [-2, 2]
 # 1e-40 overflowed float32 logits to inf, 1e39 is inf itself); 1.0-1.3 is the common range.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 OUTPUT_KINDS = ("delta", "final")
+# SamplingParams fields that the Python API's generate()/stream() take as keyword options and the server as request
+# fields (null: the field's default), beside the ones each names itself (temperature, top_k, top_p, seed, stop, ...)
+ADJUSTMENT_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                     "min_tokens", "stop_token_ids", "allowed_token_ids", "ignore_eos", "include_stop_str_in_output")
 
 # Temperatures in (0, MIN_TEMPERATURE) sample greedily (argmax). As the temperature falls the distribution
 # concentrates on the argmax; at 1e-5 a logit gap of 1e-3 is already a probability ratio of e^100, so below it

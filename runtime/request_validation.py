@@ -17,7 +17,7 @@ from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.checks import byte_size, describe, flag, integer, plain_ints_within, short, text
 from fxllm.runtime.contract import MAX_SPEC_K
 from fxllm.runtime.paged_cache import parse_bytes
-from fxllm.runtime.request import SamplingParams
+from fxllm.runtime.request import ADJUSTMENT_FIELDS, SamplingParams
 
 MAX_THREADS = 1024  # more intra-op threads than this is a typo, not a machine
 
@@ -38,24 +38,17 @@ class GenerationRequest:
 
 
 def check_request(max_new_tokens: Any = 64, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
-                  seed: Any = None, stop: Any = None, chat: Any = False, *, min_p: Any = 0.0,
-                  presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0, repetition_penalty: Any = 1.0,
-                  logit_bias: Any = None, min_tokens: Any = 0, stop_token_ids: Any = (),
-                  allowed_token_ids: Any = None, ignore_eos: Any = False, include_stop_str_in_output: Any = False,
-                  **unknown: Any) -> GenerationRequest:
+                  seed: Any = None, stop: Any = None, chat: Any = False, **adjustments: Any) -> GenerationRequest:
     """Engine.generate / generate_ids / stream's keyword arguments → a GenerationRequest. max_new_tokens: an int
-    >= 1; stop: None, a string or an iterable of strings; chat: a bool; the rest as SamplingParams. An unknown
-    keyword is an InvalidArgumentError naming it (not a TypeError naming this function)."""
-    if unknown:
-        name = next(iter(unknown))
+    >= 1; stop: None, a string or an iterable of strings; chat: a bool; the rest, and `adjustments` (the
+    ADJUSTMENT_FIELDS of runtime/request.py), as SamplingParams. Any other keyword is an InvalidArgumentError naming
+    it (not a TypeError naming this function)."""
+    name = next((name for name in adjustments if name not in ADJUSTMENT_FIELDS), None)
+    if name is not None:
         raise InvalidArgumentError(name, f"{name} is not a generation option (see SamplingParams in "
                                          "fxllm.runtime.request for the options there are)")
     max_new_tokens = integer("max_new_tokens", max_new_tokens, minimum=1)
-    sampling = SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens, stop=stop, min_p=min_p,
-                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                              repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
-                              stop_token_ids=stop_token_ids, allowed_token_ids=allowed_token_ids,
-                              ignore_eos=ignore_eos, include_stop_str_in_output=include_stop_str_in_output)
+    sampling = SamplingParams(temperature, top_k, top_p, seed, max_tokens=max_new_tokens, stop=stop, **adjustments)
     return GenerationRequest(max_new_tokens, sampling, flag("chat", chat))
 
 

@@ -13,15 +13,11 @@ from typing import Any
 
 from fxllm.errors import GenerationError
 from fxllm.runtime.checks import short, token_id_text
-from fxllm.runtime.request import MAX_LOGIT_BIAS, SamplingParams
+from fxllm.runtime.request import ADJUSTMENT_FIELDS, MAX_LOGIT_BIAS, SamplingParams
 from fxllm.serving.errors import APIError, bad_request
 from fxllm.serving.protocol import ChatCompletionRequest, CompletionRequest
 from fxllm.serving.service import MAX_CHOICES
 
-
-# sampling fields whose null means this default
-NULL_MEANS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-              "min_tokens": 0, "stop_token_ids": (), "allowed_token_ids": None, "include_stop_str_in_output": False}
 
 # vLLM's extensions fxllm does not implement (protocol._VllmExtensions) → the values that change nothing (besides
 # null); any other value is refused.
@@ -84,14 +80,13 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, n: int, 
     """The n choices' SamplingParams for one prompt (a refusal names the request's `fields`, as bad_request)."""
     top_k = 0 if request.top_k in (None, -1) else request.top_k
     stop = () if request.stop is None else request.stop
-    adjustments = {name: default if getattr(request, name) is None else getattr(request, name)
-                   for name, default in NULL_MEANS.items()}
+    adjustments = {name: value for name in ADJUSTMENT_FIELDS if (value := getattr(request, name)) is not None}
     try:
+        adjustments["logit_bias"] = _logit_bias(request.logit_bias)  # its keys are strings in JSON
         first = SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                                top_k=top_k, top_p=1.0 if request.top_p is None else request.top_p,
-                               seed=request.seed, max_tokens=max_tokens, stop=stop,
-                               ignore_eos=bool(request.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                               logit_bias=_logit_bias(request.logit_bias), **adjustments)
+                               seed=request.seed, max_tokens=max_tokens, stop=stop, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs, **adjustments)
         return [first] + [first.with_seed(None if request.seed is None else request.seed + i) for i in range(1, n)]
     except GenerationError as exc:
         raise bad_request(exc, fields) from None
