@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no end-of-sequence token before this many tokens (default 0)")
     p.add_argument("--logit-bias", action="append", metavar="TOKEN_ID=BIAS",
                    help="add BIAS (-100 to 100) to a token's logit before sampling (repeatable; -100 bans it)")
+    p.add_argument("--bad-word", action="append", metavar="WORD",
+                   help="a word that may not be generated (repeatable; as vLLM's bad_words)")
+    p.add_argument("--keep-special-tokens", action="store_true",
+                   help="keep special tokens' text (e.g. <|im_end|>) in the output (vLLM's skip_special_tokens=false)")
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -321,7 +325,8 @@ def cmd_generate(args) -> None:
                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, min_p=args.min_p,
                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                    repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias or []),
-                   min_tokens=args.min_tokens)
+                   min_tokens=args.min_tokens, bad_words=args.bad_word or (),
+                   skip_special_tokens=not args.keep_special_tokens)
     check_request(**options)  # a bad value is refused before the artifact loads
     decode_steps = args.max_new_tokens * -(-len(args.prompt) // max(args.max_batch, 1))  # bad values: load refuses
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,

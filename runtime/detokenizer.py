@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_right
+from functools import partial
 
 # Tokens decoded again in front of the new ones: how a token's text joins the text before it (a byte-level
 # character split over tokens, a WordPiece '##' piece, SentencePiece's '▁', a cleaned-up space) depends only on
@@ -20,10 +21,13 @@ class IncrementalDetokenizer:
     that a later byte could still turn into U+FFFD, is held back until it resolves (and flushed by finish()).
     `text` equals the tokenizer's decode of every token added (cut before a stop string, or after it with
     include_stop) whenever it ends in a complete character, and after finish(). As vLLM's, no stop string ends the
-    text before min_tokens tokens: the text of those is not searched, and a later match must end past it."""
+    text before min_tokens tokens: the text of those is not searched, and a later match must end past it.
+    skip_special_tokens=False decodes special tokens as their text."""
 
-    def __init__(self, tokenizer, stop: list[str] | None = None, *, include_stop: bool = False, min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: list[str] | None = None, *, include_stop: bool = False, min_tokens: int = 0,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.decode = _decoder(tokenizer, skip_special_tokens)
         self.stop = [s for s in (stop or []) if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         if getattr(tokenizer, "clean_up_spaces", False):  # " n't", " 's", " ." ...: a later token removes a space
@@ -40,7 +44,8 @@ class IncrementalDetokenizer:
         self._settled = ""  # the decode of token_ids[:self._boundaries[-1]], which ends in no open character
         self._boundaries = [0]  # every settled token count so far, ascending: where a window may start
         self._is_fallback_byte = getattr(tokenizer, "is_fallback_byte", None)
-        self._skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))  # decode drops them: a run goes on
+        # decode drops them: a run goes on
+        self._skipped = frozenset(getattr(tokenizer, "all_special_ids", ()) if skip_special_tokens else ())
         self._byte_run_start: int | None = None  # characters of text before the open run of byte-fallback tokens
 
     def add(self, token_id: int) -> str:
@@ -67,7 +72,7 @@ class IncrementalDetokenizer:
         reads it), cut before a stop string that lies in that tail."""
         if not self.stopped:
             if self.text.endswith("\ufffd"):
-                self.text = self.tokenizer.decode(self.token_ids)
+                self.text = self.decode(self.token_ids)
             if len(self.token_ids) > self.min_tokens:
                 self._cut_at_stop(len(self.text))
         return self._emit_until(len(self.text))
@@ -95,7 +100,7 @@ class IncrementalDetokenizer:
         start, or its settled tokens decode to nothing), or the new text holds a U+FFFD before its end (an invalid
         byte, which a byte-fallback decoder resolves over the whole run of byte tokens). A U+FFFD at the end (an
         open character) stays unsettled: the next tokens decode it again."""
-        decode, settled_tokens = self.tokenizer.decode, self._boundaries[-1]
+        decode, settled_tokens = self.decode, self._boundaries[-1]
         start = self._boundaries[max(0, bisect_right(self._boundaries, settled_tokens - WINDOW_TOKENS) - 1)]
         settled_part = decode(self.token_ids[start:settled_tokens])
         window = decode(self.token_ids[start:])
@@ -124,8 +129,8 @@ class FinalDetokenizer:
     stopped = False
     stop_string: str | None = None
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.decode = _decoder(tokenizer, skip_special_tokens)
         self.token_ids: list[int] = []
         self.text = ""  # empty until finish()
         self.emitted = 0
@@ -137,6 +142,12 @@ class FinalDetokenizer:
     def finish(self) -> str:
         """The whole text (once; later calls return "")."""
         if self.emitted == 0 and self.token_ids:
-            self.text = self.tokenizer.decode(self.token_ids)
+            self.text = self.decode(self.token_ids)
         delta, self.emitted = self.text[self.emitted:], len(self.text)
         return delta
+
+
+def _decoder(tokenizer, skip_special_tokens: bool):
+    """tokenizer.decode, keeping special tokens' text when asked (the default call otherwise: a tokenizer whose decode
+    takes no such keyword still works when it is not needed)."""
+    return tokenizer.decode if skip_special_tokens else partial(tokenizer.decode, skip_special_tokens=False)

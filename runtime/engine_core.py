@@ -13,6 +13,7 @@ cut in two, then goes on up; the outputs the step had made come with the next st
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from fxllm.errors import FxllmError, GenerationError, InvalidArgumentError
+from fxllm.runtime.bad_words import BadWords
 from fxllm.runtime.checks import describe
 from fxllm.runtime.logprobs import token_logprobs
 from fxllm.runtime.metrics import EngineCounters, EngineStats
@@ -32,6 +34,7 @@ from fxllm.runtime.scheduler import PREFILL, PagedScheduler, ScheduledBatch, Sta
 from fxllm.runtime.speculator import Speculator
 
 logger = logging.getLogger("fxllm.engine")
+BAD_WORDS_CACHE = 64  # distinct bad_words lists kept tokenized
 
 
 class EngineCore:
@@ -50,6 +53,8 @@ class EngineCore:
         self._ready: list[RequestOutput] = []  # outputs made, not yet returned by step()
         self._seq_ids = itertools.count()
         self._counters = EngineCounters()
+        # a server request's n choices, and check then new_request, tokenize one request's bad_words once
+        self._tokenized_bad_words = functools.lru_cache(maxsize=BAD_WORDS_CACHE)(self._tokenize_bad_words)
 
     # -- requests in ------------------------------------------------------------------------------------------------
 
@@ -67,7 +72,7 @@ class EngineCore:
         ids = self.check(prompt, params)
         self._check_duplicate(request_id)
         return Request(request_id, ids, params, self.tokenizer, prompt=prompt if isinstance(prompt, str) else None,
-                       eos_token_ids=self.eos_token_ids,
+                       eos_token_ids=self.eos_token_ids, bad_words=self.bad_words(params.bad_words),
                        seq_id=next(self._seq_ids))
 
     def enqueue(self, request: Request) -> None:
@@ -81,8 +86,8 @@ class EngineCore:
         """The prompt's token ids once prompt and params are checked for this model (InvalidArgumentError naming the
         argument, as the Python API's checks: runtime/request_validation.py): a valid-Unicode text or token ids of the
         vocabulary; not empty; prompt + max_tokens within the context and within the KV pool; stop_token_ids,
-        logit_bias's and allowed_token_ids' ids within the vocabulary, and some allowed id one min_tokens lets be
-        sampled."""
+        logit_bias's and allowed_token_ids' ids within the vocabulary, and some allowed id that min_tokens and
+        bad_words let be sampled."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError("params", f"params must be a SamplingParams, got {describe(params)}")
         if isinstance(prompt, str):
@@ -95,23 +100,44 @@ class EngineCore:
                         param="logit_bias")  # numpy would index past the row, or wrap a negative id
         if params.allowed_token_ids is not None:
             check_token_ids("allowed_token_ids", params.allowed_token_ids, self.vocab_size)
-        if params.min_tokens:
+        if params.min_tokens or params.bad_words:
             self._check_something_to_sample(params)
         self.scheduler.check_fits(len(ids), params.max_tokens)
         return ids
 
+    def bad_words(self, words: tuple[str, ...]) -> BadWords | None:
+        """bad_words' token sequences (None for none; InvalidArgumentError: an empty word, or a token outside the
+        vocabulary)."""
+        return self._tokenized_bad_words(words) if words else None
+
+    def _tokenize_bad_words(self, words: tuple[str, ...]) -> BadWords:
+        bad_words = BadWords.from_words(words, lambda text: list(self.tokenizer.encode(text, add_special_tokens=False)))
+        ids = sorted({token for sequence in bad_words.sequences for token in sequence})
+        check_token_ids("bad_words' token ids", ids, self.vocab_size, param="bad_words")
+        return bad_words
+
     def _check_something_to_sample(self, params: SamplingParams) -> None:
-        """min_tokens masks every id that ends the request: refused when nothing would be left (the sampler would
-        see a row without a finite logit, which it reports as a broken model, for the whole call)."""
-        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        """min_tokens masks every id that ends the request, bad_words the ids they end with: refused when some row
+        could be left with nothing (the sampler would see a row without a finite logit, which it reports as a broken
+        model, for the whole call). Every id a bad word may ban counts as banned, whatever the output."""
+        banned = set(self.bad_words(params.bad_words).endings) if params.bad_words else set()
+        if banned and (params.allowed_token_ids is not None and banned.issuperset(params.allowed_token_ids)
+                       or len(banned) >= self.vocab_size):
+            raise InvalidArgumentError("bad_words", "bad_words ban every token that could be sampled"
+                                       + (" (allowed_token_ids)" if params.allowed_token_ids is not None else ""))
+        if not params.min_tokens:
+            return
+        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids) | banned
         if params.allowed_token_ids is not None and ending.issuperset(params.allowed_token_ids):
             raise InvalidArgumentError("allowed_token_ids", "allowed_token_ids holds only end-of-sequence or stop "
                                                             f"token ids, which min_tokens ({params.min_tokens}) "
-                                                            "forbids for the first tokens")
+                                                            "forbids for the first tokens"
+                                                            + (", or ids bad_words ban" if banned else ""))
         if len(ending) >= self.vocab_size:  # every id is checked to be < vocab_size
-            raise InvalidArgumentError("stop_token_ids", "stop_token_ids and the end-of-sequence ids cover the whole "
-                                                         f"vocabulary, which min_tokens ({params.min_tokens}) forbids "
-                                                         "for the first tokens")
+            raise InvalidArgumentError("stop_token_ids", "stop_token_ids and the end-of-sequence ids"
+                                                         + (" (with the ids bad_words ban)" if banned else "")
+                                                         + " cover the whole vocabulary, which min_tokens "
+                                                         f"({params.min_tokens}) forbids for the first tokens")
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Stop a request now: its KV blocks are free when this returns; the next step() returns its final output

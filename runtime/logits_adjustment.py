@@ -1,7 +1,7 @@
-"""A request's logits before sampling: allowed_token_ids, logit_bias and min_tokens, then the repetition, frequency
-and presence penalties (vLLM's order and formulas; OpenAI's for the last two). Temperature, min-p, top-k and top-p
-come after, in sampler.probabilities. Logprobs are reported from the logits before any of this (vLLM's raw
-logprobs)."""
+"""A request's logits before sampling: allowed_token_ids, bad_words, logit_bias and min_tokens, then the repetition,
+frequency and presence penalties (vLLM's order and formulas; OpenAI's for the last two). Temperature, min-p, top-k
+and top-p come after, in sampler.probabilities. Logprobs are reported from the logits before any of this (vLLM's
+raw logprobs)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from fxllm.runtime.bad_words import BadWords
 from fxllm.runtime.request import SamplingParams
 
 
@@ -18,8 +19,12 @@ class LogitsAdjuster:
     and updated with the tokens appended since the last one (the output only grows), so a step costs O(V), not a
     sort of the whole history."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: Iterable[int] = ()):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: Iterable[int] = (),
+                 bad_words: BadWords | None = None):
+        if params.bad_words and bad_words is None:
+            raise ValueError("params.bad_words given without their token sequences (BadWords.from_words)")
         self.params = params
+        self._bad_words = bad_words if params.bad_words else None
         eos = () if params.ignore_eos else tuple(eos_token_ids)
         # what min_tokens holds back: every id that would end the request
         self._stop_ids = np.asarray(sorted({*eos, *params.stop_token_ids}), dtype=np.int64)
@@ -41,6 +46,8 @@ class LogitsAdjuster:
         else:  # every other id masked
             adjusted = np.full(np.shape(logits), -np.inf, dtype=np.float32)
             adjusted[:, self._allowed] = np.asarray(logits)[:, self._allowed]
+        if self._bad_words is not None:
+            self._ban(adjusted, output_ids, drafts)
         adjusted[:, self._bias_ids] += self._biases
         held = params.min_tokens - len(output_ids)  # rows 0..held-1 come before the min_tokens-th token
         if held > 0 and self._stop_ids.size:
@@ -62,6 +69,17 @@ class LogitsAdjuster:
                 adjusted[j + 1:, token] -= params.frequency_penalty + (params.presence_penalty if first else 0.0)
         return adjusted
 
+    def _ban(self, adjusted: np.ndarray, output_ids: Sequence[int], drafts: Sequence[int]) -> None:
+        bad_words = self._bad_words
+        adjusted[:, bad_words.always] = -np.inf
+        if not bad_words.conditional:
+            return
+        history = list(output_ids[max(0, len(output_ids) - bad_words.longest_prefix):])  # all a match can reach
+        for row in range(adjusted.shape[0]):
+            banned = bad_words.banned(history + [int(token) for token in drafts[:row]])
+            if banned:
+                adjusted[row, banned] = -np.inf
+
     def _count(self, output_ids: Sequence[int], vocab_size: int) -> None:
         if self._counts is None or len(output_ids) < self._counted:  # first call (or another history: recount)
             self._counts = np.zeros(vocab_size, dtype=np.int32)
@@ -80,7 +98,7 @@ class LogitsAdjuster:
         adjusted[rows, tokens] = np.where(values > 0, values / penalty, values * penalty)
 
 
-def adjuster(params: SamplingParams, prompt_ids: Sequence[int],
-             eos_token_ids: Iterable[int] = ()) -> LogitsAdjuster | None:
+def adjuster(params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: Iterable[int] = (),
+             bad_words: BadWords | None = None) -> LogitsAdjuster | None:
     """The request's adjuster, or None when its params change no logit (the common case costs nothing)."""
-    return LogitsAdjuster(params, prompt_ids, eos_token_ids) if params.adjusts_logits else None
+    return LogitsAdjuster(params, prompt_ids, eos_token_ids, bad_words) if params.adjusts_logits else None

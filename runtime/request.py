@@ -12,6 +12,7 @@ from itertools import islice
 from typing import Any
 
 from fxllm.errors import InvalidArgumentError
+from fxllm.runtime.bad_words import BadWords
 from fxllm.runtime.checks import describe, flag, integer, integers, real, strings
 from fxllm.runtime.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from fxllm.runtime.metrics import RequestMetrics
@@ -25,6 +26,9 @@ MAX_STOP_CHARS = 1024
 # bans a token, 100 all but forces it). The count bound keeps a request body from carrying a vocabulary-sized table.
 MAX_LOGIT_BIAS = 1024
 MAX_TOKEN_IDS = 65536  # stop_token_ids, allowed_token_ids: each id is checked, on the server's event loop
+# bad_words are tokenized (twice each) when a request is added, on the server's event loop
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_CHARS = 256
 MAX_BIAS = 100.0
 MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range [-2, 2]
 # repetition_penalty: vLLM takes any value > 0, but past these a logit is divided or multiplied into saturation (and
@@ -34,7 +38,8 @@ OUTPUT_KINDS = ("delta", "final")
 # SamplingParams fields that the Python API's generate()/stream() take as keyword options and the server as request
 # fields (null: the field's default), beside the ones each names itself (temperature, top_k, top_p, seed, stop, ...)
 ADJUSTMENT_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                     "min_tokens", "stop_token_ids", "allowed_token_ids", "ignore_eos", "include_stop_str_in_output")
+                     "min_tokens", "stop_token_ids", "allowed_token_ids", "ignore_eos", "include_stop_str_in_output",
+                     "bad_words", "skip_special_tokens")
 
 # Temperatures in (0, MIN_TEMPERATURE) sample greedily (argmax). As the temperature falls the distribution
 # concentrates on the argmax; at 1e-5 a logit gap of 1e-3 is already a probability ratio of e^100, so below it
@@ -61,6 +66,10 @@ class SamplingParams:
     include_stop_str_in_output: the text ends after the stop string instead of before it. allowed_token_ids: None
     (all), or the only ids that may be sampled (a non-empty list).
     stop_token_ids and allowed_token_ids hold at most MAX_TOKEN_IDS ids each.
+    bad_words: words that may not be generated (vLLM's; at most MAX_BAD_WORDS of at most MAX_BAD_WORD_CHARS
+    characters): each word's token sequences, as it starts the output and after a space, are banned at sampling time
+    (runtime/bad_words.py). skip_special_tokens: False keeps special tokens' text (e.g. "<|im_end|>" generated with
+    ignore_eos) in the output text; the EOS or stop token that ends a request is never in it.
     logprobs: None, or N >= 0: every generated token's logprob plus the N most likely alternatives;
     prompt_logprobs: the same for every prompt token (the first has none), in the first output.
     Logprobs are log-softmax of the model's logits, before logit_bias, penalties, temperature, min-p, top-k, top-p.
@@ -95,6 +104,8 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
     include_stop_str_in_output: bool = False
+    bad_words: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -118,6 +129,12 @@ class SamplingParams:
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
         set_(self, "min_tokens", integer("min_tokens", self.min_tokens, minimum=0))
         flag("include_stop_str_in_output", self.include_stop_str_in_output)
+        set_(self, "bad_words", strings("bad_words", self.bad_words, most=MAX_BAD_WORDS,
+                                        most_chars=MAX_BAD_WORD_CHARS))
+        blank = next((i for i, word in enumerate(self.bad_words) if not word.strip()), None)
+        if blank is not None:  # it would ban nothing, or a bare space
+            raise InvalidArgumentError("bad_words", f"bad_words[{blank}] is empty or only whitespace")
+        flag("skip_special_tokens", self.skip_special_tokens)
         if self.min_tokens > self.max_tokens:
             raise InvalidArgumentError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                                                      f"({self.max_tokens})")
@@ -149,9 +166,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether logit_bias, a penalty, min_tokens or allowed_token_ids changes the logits this request samples
-        from."""
-        return bool(self.logit_bias) or self.penalizes or self.min_tokens > 0 or self.allowed_token_ids is not None
+        """Whether logit_bias, a penalty, min_tokens, allowed_token_ids or bad_words changes the logits this request
+        samples from."""
+        return (bool(self.logit_bias) or self.penalizes or self.min_tokens > 0 or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -219,8 +237,10 @@ class Request:
     update it. `num_computed_tokens` counts tokens whose KV is in the cache."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
-                 prompt: str | None = None, seq_id: int = 0, eos_token_ids: Iterable[int] = ()):
-        """eos_token_ids: the model's, which min_tokens holds back (unless ignore_eos)."""
+                 prompt: str | None = None, seq_id: int = 0, eos_token_ids: Iterable[int] = (),
+                 bad_words: BadWords | None = None):
+        """eos_token_ids: the model's, which min_tokens holds back (unless ignore_eos); bad_words: params.bad_words
+        tokenized (required when there are any)."""
         from fxllm.runtime.logits_adjustment import adjuster
         from fxllm.runtime.sampler import Sampler
 
@@ -238,12 +258,14 @@ class Request:
         self.seq_id = seq_id  # the block manager's key
         self.num_computed_tokens = 0
         self.sampler = Sampler(params, 1)  # this request's own seeded stream
-        self.logits_adjuster = adjuster(params, self.prompt_token_ids, eos_token_ids)  # None: no logit changes
+        self.logits_adjuster = adjuster(params, self.prompt_token_ids, eos_token_ids, bad_words)  # None: no changes
         self.final_only = params.output_kind == "final"
-        self.detokenizer = (FinalDetokenizer(tokenizer) if self.final_only and not params.stop
+        skip_special = params.skip_special_tokens
+        self.detokenizer = (FinalDetokenizer(tokenizer, skip_special_tokens=skip_special)
+                            if self.final_only and not params.stop
                             else IncrementalDetokenizer(tokenizer, list(params.stop),
                                                         include_stop=params.include_stop_str_in_output,
-                                                        min_tokens=params.min_tokens))
+                                                        min_tokens=params.min_tokens, skip_special_tokens=skip_special))
         self.pending_logprobs: list[TokenLogprobs] = []  # a final-only request's, until its one output
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.prompt_logprobs_sent = False

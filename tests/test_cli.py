@@ -118,12 +118,14 @@ def test_generate_penalties_and_logit_bias(capsys, make_tiny_artifact, monkeypat
 
     artifact = str(make_tiny_artifact("llama"))
     settings = dict(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 2.0},
-                    min_tokens=3)
+                    min_tokens=3, bad_words=["the", "of it"], skip_special_tokens=False)
     expected = fxllm.load(artifact).generate("Paris is", max_new_tokens=6, **settings)
     code, out, _ = run_cli(capsys, "generate", artifact, "--prompt", "Paris is", "--max-new-tokens", "6", "--json",
                            "--repetition-penalty", "1.4", "--presence-penalty", "0.5", "--frequency-penalty", "0.3",
-                           "--logit-bias", "5=2", "--min-tokens", "3")
+                           "--logit-bias", "5=2", "--min-tokens", "3", "--bad-word", "the", "--bad-word", "of it",
+                           "--keep-special-tokens")
     assert code == 0 and json.loads(out)["token_ids"] == expected.token_ids
+    assert json.loads(out)["text"] == expected.text
     monkeypatch.setattr(fxllm, "load", lambda *a, **k: pytest.fail("loaded before the options were checked"))
     for flags, says in ((["--logit-bias", "5:2"], "--logit-bias '5:2': expected TOKEN_ID=BIAS"),
                         (["--logit-bias", "x=1"], "--logit-bias 'x=1': expected TOKEN_ID=BIAS"),
@@ -134,7 +136,8 @@ def test_generate_penalties_and_logit_bias(capsys, make_tiny_artifact, monkeypat
                         (["--logit-bias", "5=300"], "logit_bias[5]: logit_bias must be <= 100"),
                         (["--min-p", "2"], "min_p must be <= 1"),
                         (["--min-tokens", "70", "--max-new-tokens", "64"], "min_tokens (70) must be <= max_tokens"),
-                        (["--repetition-penalty", "0"], "repetition_penalty must be >= 0.01")):
+                        (["--repetition-penalty", "0"], "repetition_penalty must be >= 0.01"),
+                        (["--bad-word", "ok", "--bad-word", " "], "bad_words[1] is empty or only whitespace")):
         code, _, err = run_cli(capsys, "generate", artifact, "--prompt", "x", *flags)
         assert_one_line_error(code, err, says)
 

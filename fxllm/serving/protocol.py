@@ -7,7 +7,8 @@ longer than the context) is answered 400 with the engine's own one-line message,
 Unknown request fields are ignored (as vLLM does); fields of the reference, and vLLM extensions, that fxllm does not
 implement are accepted at their defaults and refused (400, naming the field) otherwise. Extensions (as vLLM spells
 them): `top_k` (0 or -1: no limit), `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
-`allowed_token_ids`, `include_stop_str_in_output`, `ignore_eos` and chat's `chat_template_kwargs`.
+`allowed_token_ids`, `include_stop_str_in_output`, `bad_words`, `skip_special_tokens`, `ignore_eos` and chat's
+`chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ class _VllmExtensions(_Request):
     is refused naming the field (400; sampling.check_supported) instead of being ignored as unknown fields are: a
     client asking for `guided_json` must not get free text as if it had been applied."""
 
-    bad_words: Optional[Any] = Field(None, description="vLLM extension, not supported: []")
-    skip_special_tokens: Optional[Any] = Field(None, description="vLLM extension, not supported: true")
     guided_json: Optional[Any] = Field(None, description="vLLM extension, not supported")
     guided_regex: Optional[Any] = Field(None, description="vLLM extension, not supported")
     guided_choice: Optional[Any] = Field(None, description="vLLM extension, not supported")
@@ -81,6 +80,10 @@ class _SamplingFields(_VllmExtensions):
                                                                           "may be sampled (at most 65,536)")
     include_stop_str_in_output: Optional[bool] = Field(None, description="vLLM extension: the text ends after the "
                                                                          "stop string instead of before it")
+    bad_words: Optional[_FailFast[str]] = Field(None, description="vLLM extension: words that may not be generated "
+                                                                  "(at most 256, of at most 256 characters)")
+    skip_special_tokens: Optional[bool] = Field(None, description="vLLM extension: false keeps special tokens' text "
+                                                                  "in the output")
     user: Optional[str] = None
 
 

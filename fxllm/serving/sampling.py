@@ -21,9 +21,8 @@ from fxllm.serving.service import MAX_CHOICES
 
 # vLLM's extensions fxllm does not implement (protocol._VllmExtensions) → the values that change nothing (besides
 # null); any other value is refused.
-VLLM_DEFAULTS = {"bad_words": ([],),
-                 "skip_special_tokens": (True,), "guided_json": (), "guided_regex": (), "guided_choice": (),
-                 "guided_grammar": (), "structured_outputs": ()}
+VLLM_DEFAULTS = {"guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+                 "structured_outputs": ()}
 
 
 def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:

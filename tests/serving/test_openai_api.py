@@ -304,6 +304,41 @@ def test_min_tokens_stop_token_ids_and_allowed_token_ids(client, engine):
     assert kept.choices[0].text == expected.text[:expected.text.index(cut) + len(cut)]
 
 
+def test_bad_words_and_skip_special_tokens(client, engine):
+    """vLLM's bad_words give the in-process engine's text, streamed and not, on both endpoints, and the word is gone;
+    skip_special_tokens=false keeps a generated special token's text (EOS forced by logit_bias with ignore_eos)."""
+    plain = greedy(engine, PROMPTS[0], 12)
+
+    def occurs(sequence, ids) -> bool:
+        return any(list(ids[i:i + len(sequence)]) == list(sequence) for i in range(len(ids)))
+
+    # a word of the output whose tokens (as bad_words reads the word) the output holds
+    spans = (engine.tokenizer.decode(plain.token_ids[i:j]).strip() for i in range(12) for j in range(i + 1, i + 4))
+    word = next(w for w in spans
+                if w and any(occurs(s, plain.token_ids) for s in engine.core.bad_words((w,)).sequences))
+    expected = engine.generate(PROMPTS[0], max_new_tokens=12, bad_words=[word])
+    assert not any(occurs(s, expected.token_ids) for s in engine.core.bad_words((word,)).sequences)
+    assert expected.text != plain.text
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                         extra_body={"bad_words": [word]})
+    assert response.choices[0].text == expected.text
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True, extra_body={"bad_words": [word]}))
+    assert streamed == expected.text
+    chat_expected = engine.generate(PROMPTS[0], max_new_tokens=8, chat=True, bad_words=[word])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=8, temperature=0, extra_body={"bad_words": [word]})
+    assert chat.choices[0].message.content == chat_expected.text
+    eos = min(engine.core.eos_token_ids)
+    eos_text = engine.tokenizer.decode([eos], skip_special_tokens=False)
+    forced = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logit_bias={str(eos): 100})
+    kept = client.completions.create(**forced, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    skipped = client.completions.create(**forced, extra_body={"ignore_eos": True})
+    assert (kept.choices[0].text, skipped.choices[0].text) == (eos_text * 3, "")
+    ended = client.completions.create(**forced, extra_body={"skip_special_tokens": False})
+    assert (ended.choices[0].text, ended.choices[0].finish_reason) == ("", "stop")  # the EOS that ends it: no text
+
+
 def test_streamed_chat_usage_and_logprobs(client, engine):
     """stream_options.include_usage: every chunk has `usage: null` and a last chunk without choices has the usage of
     the unstreamed reply; streamed logprobs equal the unstreamed ones position by position."""
@@ -407,6 +442,12 @@ def error_of(response: httpx.Response) -> dict:
     ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(49152)), "min_tokens": 1}, 400, "stop_token_ids"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(65537))}, 400, "stop_token_ids"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "bad_words": "Paris"}, 400, "bad_words"),  # a list, as vLLM's
+    ({"model": MODEL, "prompt": "x", "bad_words": ["ok", " "]}, 400, "bad_words"),
+    ({"model": MODEL, "prompt": "x", "bad_words": ["x"] * 257}, 400, "bad_words"),
+    ({"model": MODEL, "prompt": "x", "bad_words": ["x"], "allowed_token_ids": [104, 1792]}, 400,
+     "bad_words"),  # the ids of "x" and " x"
+    ({"model": MODEL, "prompt": "x", "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model"),

@@ -229,10 +229,10 @@ def test_a_value_nested_too_deeply_for_the_template_is_a_400_naming_its_field(lo
 
 @pytest.mark.parametrize("field, value, default", [
     ("guided_json", {"type": "object"}, None), ("guided_choice", ["yes", "no"], None),
-    ("structured_outputs", {"regex": "a+"}, None), ("bad_words", ["x"], []), ("skip_special_tokens", False, True),
+    ("structured_outputs", {"regex": "a+"}, None), ("guided_regex", "a+", None), ("guided_grammar", "root ::= x", None),
 ])
 def test_a_vllm_extension_fxllm_lacks_is_refused_unless_at_its_default(loaded, field, value, default):
-    """A vLLM client's `guided_json` (or bad_words, ...) is not silently ignored: a 400 naming it, on both endpoints;
+    """A vLLM client's `guided_json` (or guided_regex, ...) is not silently ignored: a 400 naming it, on both endpoints;
     its default (or null) changes nothing and is accepted."""
     chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     refused = ask(loaded, [{"method": "POST", "url": "/v1/completions", "json": {**OK, field: value}},

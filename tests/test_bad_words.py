@@ -1,0 +1,143 @@
+"""vLLM's bad_words and skip_special_tokens: the ban rule row by row against a direct reading of it, the engine's greedy
+tokens with bad words against a loop that scores the whole sequence at every token and bans by hand (contiguous,
+paged, and with prompt-lookup speculation, which must give the same tokens), the checks, and special tokens' text
+kept or dropped. Over HTTP: tests/serving/test_openai_api.py."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import fxllm
+from fxllm.errors import InvalidArgumentError
+from fxllm.runtime.bad_words import BadWords
+from fxllm.runtime.logits_adjustment import LogitsAdjuster
+from fxllm.runtime.request import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, SamplingParams
+
+
+def reference_banned(sequences: list[list[int]], history: list[int]) -> set[int]:
+    """A sequence's last token is banned when the history ends with the rest of it (a one-token sequence: always)."""
+    return {s[-1] for s in sequences if len(history) >= len(s) - 1 and history[len(history) - len(s) + 1:] == s[:-1]}
+
+
+def test_a_sequence_bans_its_last_token_after_the_rest_row_by_row():
+    """Row i of a speculative round follows the output and drafts[:i]; one-token sequences ban at every row; a
+    prefix in the prompt does not count (vLLM v1 matches the output only)."""
+    sequences = [[4], [7, 8], [7, 9], [1, 2, 3], [2, 3, 5], [9, 9]]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        output = rng.integers(0, 10, size=int(rng.integers(0, 6))).tolist()
+        drafts = rng.integers(0, 10, size=int(rng.integers(0, 4))).tolist()
+        params = SamplingParams(bad_words=["unused"])  # the sequences come from BadWords, not from these words
+        logits = rng.normal(size=(len(drafts) + 1, 10)).astype(np.float32)
+        adjusted = LogitsAdjuster(params, [1, 2], bad_words=BadWords(sequences))(logits, output, drafts)
+        for row in range(len(drafts) + 1):
+            banned = reference_banned(sequences, output + drafts[:row])
+            assert set(np.flatnonzero(np.isinf(adjusted[row]))) == banned, (output, drafts, row)
+            kept = sorted(set(range(10)) - banned)
+            np.testing.assert_array_equal(adjusted[row, kept], logits[row, kept])
+
+
+def test_words_become_their_bare_and_spaced_token_sequences(tiny_paged_artifact):
+    tokenizer = fxllm.load(tiny_paged_artifact).tokenizer
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    bad = BadWords.from_words(("  Paris", "hello world"), encode)
+    expected = [encode("Paris"), encode(" Paris"), encode("hello world"), encode(" hello world")]
+    assert [list(s) for s in bad.sequences] == [s for i, s in enumerate(expected) if s not in expected[:i]]
+    assert bad.conditional == any(len(s) > 1 for s in expected)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged", "paged-ngram", "contiguous-ngram"])
+def test_greedy_tokens_with_bad_words_match_a_loop_by_hand(kind, make_tiny_artifact, tiny_paged_artifact):
+    """Words taken from the plain output (one of its single tokens' text and a phrase of its text) are never
+    produced, and every token equals the by-hand loop's over the engine's own sequences (a logit_bias favouring a
+    prompt token makes the output repeat, so that prompt lookup has something to propose)."""
+    artifact = tiny_paged_artifact if kind.startswith("paged") else make_tiny_artifact("llama")
+    engine = fxllm.load(artifact, speculative="ngram" if kind.endswith("ngram") else False)
+    prompts = [engine.encode(text) for text in ("The capital of France is", "def fibonacci(n):\n    return")]
+    plain = engine.generate_ids(prompts, max_new_tokens=16)
+    words = [engine.tokenizer.decode(plain[0].token_ids[2:3]).strip() or "x",
+             engine.tokenizer.decode(plain[1].token_ids[3:6]).strip() or "y"]
+    sequences = [list(s) for s in engine.core.bad_words(tuple(words)).sequences]
+    favoured = prompts[1][-1]
+    results = engine.generate_ids(prompts, max_new_tokens=16, bad_words=words, logit_bias={favoured: 3.0})
+    for prompt, result in zip(prompts, results):
+        output: list[int] = []
+        for _ in range(16):
+            logits = engine.score(prompt + output)[-1].copy()
+            logits[sorted(reference_banned(sequences, output))] = -np.inf
+            logits[favoured] += 3.0
+            output.append(int(np.argmax(logits)))
+        assert result.token_ids == output, kind
+        for s in sequences:
+            assert all(result.token_ids[i:i + len(s)] != s for i in range(len(result.token_ids))), (kind, s)
+    assert [r.token_ids for r in results] != [r.token_ids for r in plain]  # the words changed something
+    if kind.endswith("ngram"):
+        assert engine.stats().speculative.proposed > 0
+
+
+def test_sampled_requests_never_produce_a_banned_token(tiny_paged_artifact):
+    engine = fxllm.load(tiny_paged_artifact)
+    prompt = engine.encode("The capital of France is")
+    plain = engine.generate_ids([prompt] * 8, max_new_tokens=12, temperature=1.0, seed=0)
+    common = max({t for r in plain for t in r.token_ids}, key=lambda t: sum(r.token_ids.count(t) for r in plain))
+    word = engine.tokenizer.decode([common]).strip()
+    banned = {s[0] for s in engine.core.bad_words((word,)).sequences if len(s) == 1}
+    assert common in banned or not word  # a token's own text tokenizes back to it here
+    results = engine.generate_ids([prompt] * 8, max_new_tokens=12, temperature=1.0, seed=0, bad_words=[word])
+    assert all(not banned & set(r.token_ids) for r in results)
+
+
+def test_bad_words_are_checked(tiny_paged_artifact):
+    engine = fxllm.load(tiny_paged_artifact)
+    prompt = engine.encode("The capital of France is")
+    for words, message in [(["ok", "  "], "bad_words[1] is empty or only whitespace"),
+                           ([""], "bad_words[0] is empty or only whitespace"),
+                           (["ok", 3], "bad_words[1] must be a string, got int 3"),
+                           (["x"] * (MAX_BAD_WORDS + 1), f"bad_words holds more than {MAX_BAD_WORDS} strings"),
+                           (["x" * (MAX_BAD_WORD_CHARS + 1)], f"bad_words[0] has {MAX_BAD_WORD_CHARS + 1:,} "
+                                                              "characters")]:
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)) as caught:
+            engine.generate_ids([prompt], max_new_tokens=2, bad_words=words)
+        assert caught.value.param == "bad_words"
+    plain = engine.generate_ids([prompt], max_new_tokens=3)[0].token_ids
+    word = engine.tokenizer.decode(plain[:1]).strip()
+    single = sorted({s[-1] for s in engine.core.bad_words((word,)).sequences})  # the ids it may ban
+    with pytest.raises(InvalidArgumentError, match=re.escape("bad_words ban every token that could be sampled "
+                                                             "(allowed_token_ids)")) as caught:
+        engine.generate_ids([prompt], max_new_tokens=2, bad_words=[word], allowed_token_ids=single)
+    assert caught.value.param == "bad_words"
+    eos = sorted(engine.core.eos_token_ids)
+    with pytest.raises(InvalidArgumentError, match="allowed_token_ids holds only end-of-sequence or stop token ids, "
+                                                   r"which min_tokens \(1\) forbids for the first tokens, or ids "
+                                                   "bad_words ban"):
+        engine.generate_ids([prompt], max_new_tokens=2, min_tokens=1, bad_words=[word], allowed_token_ids=single + eos)
+    result = engine.generate_ids([prompt], max_new_tokens=2, bad_words=[word], allowed_token_ids=single + eos)[0]
+    assert result.token_ids[0] in eos  # without min_tokens the EOS is left to sample: nothing lost
+    assert engine.generate_ids([prompt], max_new_tokens=3)[0].token_ids == plain
+
+
+def test_skip_special_tokens_false_keeps_their_text(tiny_paged_artifact):
+    """EOS forced by logit_bias with ignore_eos: its text is in the output only with skip_special_tokens=False
+    (streamed and final-only alike); a stop id that ends the request is never in it."""
+    engine = fxllm.load(tiny_paged_artifact)
+    eos = min(engine.core.eos_token_ids)
+    eos_text = engine.tokenizer.decode([eos], skip_special_tokens=False)
+    assert eos_text and engine.tokenizer.decode([eos]) == ""
+    prompt = engine.encode("The capital of France is")
+    options = dict(max_new_tokens=6, ignore_eos=True, logit_bias={eos: 100.0})
+    skipped = engine.generate_ids([prompt], **options)[0]
+    kept = engine.generate_ids([prompt], skip_special_tokens=False, **options)[0]
+    assert kept.token_ids == skipped.token_ids == [eos] * 6
+    assert (skipped.text, kept.text) == ("", eos_text * 6)
+    streamed = "".join(engine.stream("The capital of France is", skip_special_tokens=False, **options))
+    assert streamed == eos_text * 6
+    stopped = engine.generate_ids([prompt], max_new_tokens=6, logit_bias={eos: 100.0}, skip_special_tokens=False)[0]
+    assert stopped.token_ids == [eos] and stopped.text == ""  # the EOS that ends it is not text
+    with pytest.raises(InvalidArgumentError, match="skip_special_tokens must be True or False, got str"):
+        SamplingParams(skip_special_tokens="no")
