@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 import unicodedata
+from pathlib import Path
 
 from fxllm.errors import FxllmError, UsageError
 
@@ -114,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a word that may not be generated (repeatable; as vLLM's bad_words)")
     p.add_argument("--keep-special-tokens", action="store_true",
                    help="keep special tokens' text (e.g. <|im_end|>) in the output (vLLM's skip_special_tokens=false)")
+    structure = p.add_argument_group("structured output (at most one; the output must match it)")
+    structure.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema (its text, or @FILE)")
+    structure.add_argument("--json-object", action="store_true", help="any JSON object")
+    structure.add_argument("--regex", help="a regular expression the whole output matches")
+    structure.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    structure.add_argument("--grammar", help="a Lark or GBNF (llama.cpp) grammar (its text, or @FILE)")
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -326,7 +333,7 @@ def cmd_generate(args) -> None:
                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                    repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias or []),
                    min_tokens=args.min_tokens, bad_words=args.bad_word or (),
-                   skip_special_tokens=not args.keep_special_tokens)
+                   skip_special_tokens=not args.keep_special_tokens, structured_outputs=_structure(args))
     check_request(**options)  # a bad value is refused before the artifact loads
     decode_steps = args.max_new_tokens * -(-len(args.prompt) // max(args.max_batch, 1))  # bad values: load refuses
     engine = fxllm.load(args.artifact, threads=args.threads, backend=args.backend,
@@ -362,6 +369,24 @@ def cmd_generate(args) -> None:
     speculation = engine.stats().speculative
     if speculation is not None:
         _print_speculation(speculation)
+
+
+def _structure(args) -> dict | None:
+    """--json-schema / --json-object / --regex / --choice / --grammar → structured_outputs (None: free text; several
+    are refused by StructuredOutputsParams). SCHEMA and GRAMMAR given as @FILE are read from the file."""
+    given = {"json": _text_or_file("--json-schema", args.json_schema), "json_object": args.json_object or None,
+             "regex": args.regex, "choice": args.choice, "grammar": _text_or_file("--grammar", args.grammar)}
+    given = {name: value for name, value in given.items() if value is not None}
+    return given or None
+
+
+def _text_or_file(flag: str, value: str | None) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{flag} {value}: cannot read the file ({exc.strerror or exc})") from None
 
 
 def _logit_bias(entries: list[str]) -> dict[int, float]:

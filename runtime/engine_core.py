@@ -32,6 +32,7 @@ from fxllm.runtime.request_validation import check_prompt, check_prompt_length, 
 from fxllm.runtime.sampler import SampledTokens, sample_rows
 from fxllm.runtime.scheduler import PREFILL, PagedScheduler, ScheduledBatch, StaticBatchScheduler
 from fxllm.runtime.speculator import Speculator
+from fxllm.runtime.structured_output import Grammars
 
 logger = logging.getLogger("fxllm.engine")
 BAD_WORDS_CACHE = 64  # distinct bad_words lists kept tokenized
@@ -55,6 +56,7 @@ class EngineCore:
         self._counters = EngineCounters()
         # a server request's n choices, and check then new_request, tokenize one request's bad_words once
         self._tokenized_bad_words = functools.lru_cache(maxsize=BAD_WORDS_CACHE)(self._tokenize_bad_words)
+        self.grammars = Grammars(tokenizer, vocab_size, self.eos_token_ids)
 
     # -- requests in ------------------------------------------------------------------------------------------------
 
@@ -73,6 +75,8 @@ class EngineCore:
         self._check_duplicate(request_id)
         return Request(request_id, ids, params, self.tokenizer, prompt=prompt if isinstance(prompt, str) else None,
                        eos_token_ids=self.eos_token_ids, bad_words=self.bad_words(params.bad_words),
+                       grammar=(None if params.structured_outputs is None
+                                else self.grammars.matcher(params.structured_outputs)),
                        seq_id=next(self._seq_ids))
 
     def enqueue(self, request: Request) -> None:
@@ -86,8 +90,8 @@ class EngineCore:
         """The prompt's token ids once prompt and params are checked for this model (InvalidArgumentError naming the
         argument, as the Python API's checks: runtime/request_validation.py): a valid-Unicode text or token ids of the
         vocabulary; not empty; prompt + max_tokens within the context and within the KV pool; stop_token_ids,
-        logit_bias's and allowed_token_ids' ids within the vocabulary, and some allowed id that min_tokens and
-        bad_words let be sampled."""
+        logit_bias's and allowed_token_ids' ids within the vocabulary, some allowed id that min_tokens and
+        bad_words let be sampled, and a structured_outputs that compiles."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError("params", f"params must be a SamplingParams, got {describe(params)}")
         if isinstance(prompt, str):
@@ -102,6 +106,8 @@ class EngineCore:
             check_token_ids("allowed_token_ids", params.allowed_token_ids, self.vocab_size)
         if params.min_tokens or params.bad_words:
             self._check_something_to_sample(params)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # one that does not compile is refused now
         self.scheduler.check_fits(len(ids), params.max_tokens)
         return ids
 

@@ -1,5 +1,5 @@
-"""A request's logits before sampling: allowed_token_ids, bad_words, logit_bias and min_tokens, then the repetition,
-frequency and presence penalties (vLLM's order and formulas; OpenAI's for the last two). Temperature, min-p, top-k
+"""A request's logits before sampling: allowed_token_ids, bad_words, a structure's grammar, logit_bias and min_tokens,
+then the repetition, frequency and presence penalties (vLLM's order and formulas; OpenAI's for the last two). Temperature, min-p, top-k
 and top-p come after, in sampler.probabilities. Logprobs are reported from the logits before any of this (vLLM's
 raw logprobs)."""
 
@@ -11,6 +11,7 @@ import numpy as np
 
 from fxllm.runtime.bad_words import BadWords
 from fxllm.runtime.request import SamplingParams
+from fxllm.runtime.structured_output import GrammarMatcher
 
 
 class LogitsAdjuster:
@@ -20,9 +21,12 @@ class LogitsAdjuster:
     sort of the whole history."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: Iterable[int] = (),
-                 bad_words: BadWords | None = None):
+                 bad_words: BadWords | None = None, grammar: GrammarMatcher | None = None):
         if params.bad_words and bad_words is None:
             raise ValueError("params.bad_words given without their token sequences (BadWords.from_words)")
+        if params.structured_outputs is not None and grammar is None:
+            raise ValueError("params.structured_outputs given without its matcher (Grammars.matcher)")
+        self._grammar = grammar
         self.params = params
         self._bad_words = bad_words if params.bad_words else None
         eos = () if params.ignore_eos else tuple(eos_token_ids)
@@ -48,6 +52,8 @@ class LogitsAdjuster:
             adjusted[:, self._allowed] = np.asarray(logits)[:, self._allowed]
         if self._bad_words is not None:
             self._ban(adjusted, output_ids, drafts)
+        if self._grammar is not None:  # the matcher follows output_ids: Request.append_token advances it
+            self._grammar.mask(adjusted, drafts)
         adjusted[:, self._bias_ids] += self._biases
         held = params.min_tokens - len(output_ids)  # rows 0..held-1 come before the min_tokens-th token
         if held > 0 and self._stop_ids.size:
@@ -99,6 +105,8 @@ class LogitsAdjuster:
 
 
 def adjuster(params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: Iterable[int] = (),
-             bad_words: BadWords | None = None) -> LogitsAdjuster | None:
+             bad_words: BadWords | None = None, grammar: GrammarMatcher | None = None) -> LogitsAdjuster | None:
     """The request's adjuster, or None when its params change no logit (the common case costs nothing)."""
-    return LogitsAdjuster(params, prompt_ids, eos_token_ids, bad_words) if params.adjusts_logits else None
+    if not params.adjusts_logits:
+        return None
+    return LogitsAdjuster(params, prompt_ids, eos_token_ids, bad_words, grammar)

@@ -16,6 +16,7 @@ from fxllm.runtime.bad_words import BadWords
 from fxllm.runtime.checks import describe, flag, integer, integers, real, strings
 from fxllm.runtime.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from fxllm.runtime.metrics import RequestMetrics
+from fxllm.runtime.structured_output import GrammarMatcher, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # most alternatives per position (the OpenAI API's top_logprobs limit)
 # Stop strings are searched for after every token of every choice, on the step loop all requests share: a request
@@ -39,7 +40,7 @@ OUTPUT_KINDS = ("delta", "final")
 # fields (null: the field's default), beside the ones each names itself (temperature, top_k, top_p, seed, stop, ...)
 ADJUSTMENT_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                      "min_tokens", "stop_token_ids", "allowed_token_ids", "ignore_eos", "include_stop_str_in_output",
-                     "bad_words", "skip_special_tokens")
+                     "bad_words", "skip_special_tokens", "structured_outputs")
 
 # Temperatures in (0, MIN_TEMPERATURE) sample greedily (argmax). As the temperature falls the distribution
 # concentrates on the argmax; at 1e-5 a logit gap of 1e-3 is already a probability ratio of e^100, so below it
@@ -70,6 +71,10 @@ class SamplingParams:
     characters): each word's token sequences, as it starts the output and after a space, are banned at sampling time
     (runtime/bad_words.py). skip_special_tokens: False keeps special tokens' text (e.g. "<|im_end|>" generated with
     ignore_eos) in the output text; the EOS or stop token that ends a request is never in it.
+    structured_outputs: None, or a StructuredOutputsParams (or a dict of its fields: {"json": schema}, {"regex": ...},
+    {"choice": [...]}, {"grammar": ...}, {"json_object": True}) that the output must match
+    (runtime/structured_output.py); not combined with min_tokens, allowed_token_ids, bad_words or ignore_eos, which
+    could leave its grammar nothing to take.
     logprobs: None, or N >= 0: every generated token's logprob plus the N most likely alternatives;
     prompt_logprobs: the same for every prompt token (the first has none), in the first output.
     Logprobs are log-softmax of the model's logits, before logit_bias, penalties, temperature, min-p, top-k, top-p.
@@ -106,6 +111,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     bad_words: tuple[str, ...] = ()
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -135,6 +141,13 @@ class SamplingParams:
         if blank is not None:  # it would ban nothing, or a bare space
             raise InvalidArgumentError("bad_words", f"bad_words[{blank}] is empty or only whitespace")
         flag("skip_special_tokens", self.skip_special_tokens)
+        set_(self, "structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
+        if self.structured_outputs is not None:
+            clash = next((name for name, value in (("min_tokens", self.min_tokens), ("bad_words", self.bad_words),
+                                                   ("allowed_token_ids", self.allowed_token_ids is not None),
+                                                   ("ignore_eos", self.ignore_eos)) if value), None)
+            if clash:
+                raise InvalidArgumentError("structured_outputs", f"structured_outputs cannot be combined with {clash}")
         if self.min_tokens > self.max_tokens:
             raise InvalidArgumentError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                                                      f"({self.max_tokens})")
@@ -166,10 +179,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether logit_bias, a penalty, min_tokens, allowed_token_ids or bad_words changes the logits this request
-        samples from."""
+        """Whether logit_bias, a penalty, min_tokens, allowed_token_ids, bad_words or a structure changes the logits
+        this request samples from."""
         return (bool(self.logit_bias) or self.penalizes or self.min_tokens > 0 or self.allowed_token_ids is not None
-                or bool(self.bad_words))
+                or bool(self.bad_words) or self.structured_outputs is not None)
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -238,9 +251,9 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
                  prompt: str | None = None, seq_id: int = 0, eos_token_ids: Iterable[int] = (),
-                 bad_words: BadWords | None = None):
+                 bad_words: BadWords | None = None, grammar: GrammarMatcher | None = None):
         """eos_token_ids: the model's, which min_tokens holds back (unless ignore_eos); bad_words: params.bad_words
-        tokenized (required when there are any)."""
+        tokenized, grammar: params.structured_outputs' matcher (each required when the params have one)."""
         from fxllm.runtime.logits_adjustment import adjuster
         from fxllm.runtime.sampler import Sampler
 
@@ -258,7 +271,8 @@ class Request:
         self.seq_id = seq_id  # the block manager's key
         self.num_computed_tokens = 0
         self.sampler = Sampler(params, 1)  # this request's own seeded stream
-        self.logits_adjuster = adjuster(params, self.prompt_token_ids, eos_token_ids, bad_words)  # None: no changes
+        self.grammar = grammar
+        self.logits_adjuster = adjuster(params, self.prompt_token_ids, eos_token_ids, bad_words, grammar)
         self.final_only = params.output_kind == "final"
         skip_special = params.skip_special_tokens
         self.detokenizer = (FinalDetokenizer(tokenizer, skip_special_tokens=skip_special)
@@ -312,9 +326,13 @@ class Request:
         if (token in eos_token_ids and not params.ignore_eos) or token in self.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
             return self.detokenizer.finish()
+        if self.grammar is not None:
+            self.grammar.accept(token)
         delta = self.detokenizer.add(token)
         if self.detokenizer.stopped:
             self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_string
+        elif self.grammar is not None and self.grammar.done:  # the structure is complete
+            self.finish_reason = "stop"
         elif len(self.output_token_ids) >= params.max_tokens:
             self.finish_reason = "length"
         return delta + self.detokenizer.finish() if self.finish_reason else delta

@@ -111,9 +111,10 @@ def test_generate_json_and_inspect(capsys, make_tiny_artifact):
     assert code == 0 and "kv-cache (default)" in out
 
 
-def test_generate_penalties_and_logit_bias(capsys, make_tiny_artifact, monkeypatch):
-    """The sampling adjustments reach the engine (the CLI's tokens equal the Python API's with the same settings);
-    a malformed --logit-bias or an out-of-range value is one line, before the artifact is loaded."""
+def test_generate_sampling_options(capsys, make_tiny_artifact, monkeypatch, tmp_path):
+    """The sampling adjustments, bad words and a structure (a JSON schema from a file) reach the engine (the CLI's
+    tokens equal the Python API's with the same settings); a malformed --logit-bias, an out-of-range value, an
+    unreadable @FILE or two structures are one line, before the artifact is loaded."""
     import fxllm
 
     artifact = str(make_tiny_artifact("llama"))
@@ -126,6 +127,13 @@ def test_generate_penalties_and_logit_bias(capsys, make_tiny_artifact, monkeypat
                            "--keep-special-tokens")
     assert code == 0 and json.loads(out)["token_ids"] == expected.token_ids
     assert json.loads(out)["text"] == expected.text
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "array", "items": {"enum": ["yes", "no"]}, "minItems": 3, "maxItems": 3}')
+    structured = fxllm.load(artifact).generate("Paris is", max_new_tokens=20,
+                                               structured_outputs={"json": schema.read_text()})
+    code, out, _ = run_cli(capsys, "generate", artifact, "--prompt", "Paris is", "--max-new-tokens", "20", "--json",
+                           "--json-schema", f"@{schema}")
+    assert code == 0 and json.loads(out)["text"] == structured.text and len(json.loads(structured.text)) == 3
     monkeypatch.setattr(fxllm, "load", lambda *a, **k: pytest.fail("loaded before the options were checked"))
     for flags, says in ((["--logit-bias", "5:2"], "--logit-bias '5:2': expected TOKEN_ID=BIAS"),
                         (["--logit-bias", "x=1"], "--logit-bias 'x=1': expected TOKEN_ID=BIAS"),
@@ -137,7 +145,10 @@ def test_generate_penalties_and_logit_bias(capsys, make_tiny_artifact, monkeypat
                         (["--min-p", "2"], "min_p must be <= 1"),
                         (["--min-tokens", "70", "--max-new-tokens", "64"], "min_tokens (70) must be <= max_tokens"),
                         (["--repetition-penalty", "0"], "repetition_penalty must be >= 0.01"),
-                        (["--bad-word", "ok", "--bad-word", " "], "bad_words[1] is empty or only whitespace")):
+                        (["--bad-word", "ok", "--bad-word", " "], "bad_words[1] is empty or only whitespace"),
+                        (["--json-schema", "@/nonexistent/schema.json"], "--json-schema @/nonexistent/schema.json: "
+                                                                         "cannot read the file"),
+                        (["--regex", "a", "--choice", "b"], "give exactly one of json, regex, choice, grammar")):
         code, _, err = run_cli(capsys, "generate", artifact, "--prompt", "x", *flags)
         assert_one_line_error(code, err, says)
 

@@ -23,7 +23,8 @@ from fxllm.serving.logprobs import chat_logprobs
 from fxllm.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                     ChatMessage, ChoiceLogprobs, ContentPart, TokenLogprob, Usage)
 from fxllm.serving.run import GenerationRun
-from fxllm.serving.sampling import check_supported, choices_per_prompt, max_new_tokens, sampling_params
+from fxllm.serving.sampling import (check_supported, choices_per_prompt, field_names, max_new_tokens,
+                                    sampling_params)
 from fxllm.serving.service import Choice, OpenAIService
 from fxllm.serving.streaming import EventStream, event, respond
 
@@ -52,7 +53,8 @@ async def create_chat_completion(service: OpenAIService,
     prompt_ids = await service.encode_chat(template_messages(request.messages), variables)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     # the engine's max_tokens is whichever field the client set
-    fields = {"max_tokens": "max_completion_tokens"} if request.max_completion_tokens is not None else None
+    fields = field_names(request, {"max_tokens": "max_completion_tokens"}
+                         if request.max_completion_tokens is not None else None)
     params = sampling_params(request, n, max_new_tokens(requested, len(prompt_ids), service.max_sequence_tokens),
                              logprobs=top, fields=fields)
     writer = ChatWriter(service, request, len(prompt_ids), n, f"chatcmpl-{uuid.uuid4().hex}")

@@ -18,7 +18,7 @@ from fxllm.serving.errors import APIError
 from fxllm.serving.logprobs import TextOffsets, TokenTexts, completion_logprobs, extend, first_prompt_position
 from fxllm.serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from fxllm.serving.run import GenerationRun
-from fxllm.serving.sampling import check_supported, choices_per_prompt, max_new_tokens, sampling_params
+from fxllm.serving.sampling import check_supported, choices_per_prompt, field_names, max_new_tokens, sampling_params
 from fxllm.serving.service import Choice, OpenAIService
 from fxllm.serving.streaming import EventStream, event, respond
 
@@ -43,6 +43,7 @@ async def create_completion(service: OpenAIService, request: CompletionRequest) 
     service.check_model(request.model)
     check_supported(request)
     n = choices_per_prompt(request.n)
+    fields = field_names(request)
     # before tokenizing: a huge list, or a full server
     service.check_room(prompt_count(request.prompt) * n, param="n" if n > 1 else "prompt")
     scoring = request.max_tokens == 0
@@ -55,11 +56,12 @@ async def create_completion(service: OpenAIService, request: CompletionRequest) 
     for p, prompt in enumerate(prompts):
         limit = 1 if scoring else max_new_tokens(request.max_tokens, len(prompt.token_ids),
                                                    service.max_sequence_tokens)
-        params = sampling_params(request, n, limit, logprobs=top, prompt_logprobs=top if request.echo else None)
+        params = sampling_params(request, n, limit, logprobs=top, prompt_logprobs=top if request.echo else None,
+                                 fields=fields)
         name = f"prompt[{p}]" if len(prompts) > 1 else ""
         choices += [Choice(p * n + i, prompt.token_ids, params[i], name) for i in range(n)]
     writer = CompletionWriter(service, request, prompts, n, f"cmpl-{uuid.uuid4().hex}")
-    return await respond(writer, service.start(choices, writer.id), bool(request.stream))
+    return await respond(writer, service.start(choices, writer.id, fields), bool(request.stream))
 
 
 def prompt_count(prompt) -> int:

@@ -7,8 +7,9 @@ longer than the context) is answered 400 with the engine's own one-line message,
 Unknown request fields are ignored (as vLLM does); fields of the reference, and vLLM extensions, that fxllm does not
 implement are accepted at their defaults and refused (400, naming the field) otherwise. Extensions (as vLLM spells
 them): `top_k` (0 or -1: no limit), `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
-`allowed_token_ids`, `include_stop_str_in_output`, `bad_words`, `skip_special_tokens`, `ignore_eos` and chat's
-`chat_template_kwargs`.
+`allowed_token_ids`, `include_stop_str_in_output`, `bad_words`, `skip_special_tokens`, `ignore_eos`, the structured
+outputs `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` (as OpenAI's
+`response_format`, on both endpoints as vLLM takes it) and chat's `chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -40,13 +41,10 @@ class StreamOptions(_Request):
 class _VllmExtensions(_Request):
     """vLLM's extensions that fxllm does not implement, declared (any type) so that a value other than their default
     is refused naming the field (400; sampling.check_supported) instead of being ignored as unknown fields are: a
-    client asking for `guided_json` must not get free text as if it had been applied."""
+    client asking for beam search must not get a sampled text as if it had been applied."""
 
-    guided_json: Optional[Any] = Field(None, description="vLLM extension, not supported")
-    guided_regex: Optional[Any] = Field(None, description="vLLM extension, not supported")
-    guided_choice: Optional[Any] = Field(None, description="vLLM extension, not supported")
-    guided_grammar: Optional[Any] = Field(None, description="vLLM extension, not supported")
-    structured_outputs: Optional[Any] = Field(None, description="vLLM extension, not supported")
+    use_beam_search: Optional[Any] = Field(None, description="vLLM extension, not supported: false")
+    guided_whitespace_pattern: Optional[Any] = Field(None, description="vLLM extension, not supported")
 
 
 class _SamplingFields(_VllmExtensions):
@@ -84,6 +82,17 @@ class _SamplingFields(_VllmExtensions):
                                                                   "(at most 256, of at most 256 characters)")
     skip_special_tokens: Optional[bool] = Field(None, description="vLLM extension: false keeps special tokens' text "
                                                                   "in the output")
+    # structured outputs (at most one of these): OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: Optional[dict] = Field(None, description="{'type': 'text'}, {'type': 'json_object'} or "
+                                                              "{'type': 'json_schema', 'json_schema': {'name': ..., "
+                                                              "'schema': {...}}}")
+    guided_json: Optional[Union[dict, str]] = Field(None, description="vLLM extension: a JSON schema the output "
+                                                                      "follows")
+    guided_regex: Optional[str] = Field(None, description="vLLM extension: a regular expression the output matches")
+    guided_choice: Optional[_FailFast[str]] = Field(None, description="vLLM extension: the output is one of these")
+    guided_grammar: Optional[str] = Field(None, description="vLLM extension: a Lark or GBNF grammar of the output")
+    structured_outputs: Optional[dict] = Field(None, description="vLLM extension: one of json, regex, choice, "
+                                                                 "grammar, json_object")
     user: Optional[str] = None
 
 
@@ -129,7 +138,6 @@ class ChatCompletionRequest(_SamplingFields):
                                                                         "supported")
     modalities: Optional[_FailFast[str]] = Field(None, description="only ['text']")
     audio: Optional[dict] = Field(None, description="audio output: not supported")
-    response_format: Optional[dict] = Field(None, description="only {'type': 'text'}")
     chat_template_kwargs: Optional[dict] = Field(None, description="extension (vLLM's): more variables for the chat "
                                                                    "template, e.g. {'enable_thinking': false}")
 

@@ -21,8 +21,11 @@ from fxllm.serving.service import MAX_CHOICES
 
 # vLLM's extensions fxllm does not implement (protocol._VllmExtensions) → the values that change nothing (besides
 # null); any other value is refused.
-VLLM_DEFAULTS = {"guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-                 "structured_outputs": ()}
+VLLM_DEFAULTS = {"use_beam_search": (False,), "guided_whitespace_pattern": ()}
+# where a request may ask for a structure (at most one of them): OpenAI's field, then vLLM's
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
@@ -56,9 +59,6 @@ def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "modalities other than ['text'] are not supported by fxllm", param="modalities")
     if request.audio is not None:
         raise APIError(400, "audio output is not supported by fxllm", param="audio")
-    if request.response_format not in (None, {"type": "text"}):
-        raise APIError(400, "response_format other than {'type': 'text'} is not supported by fxllm",
-                       param="response_format")
 
 
 def _same_json(a, b) -> bool:
@@ -80,6 +80,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, n: int, 
     top_k = 0 if request.top_k in (None, -1) else request.top_k
     stop = () if request.stop is None else request.stop
     adjustments = {name: value for name in ADJUSTMENT_FIELDS if (value := getattr(request, name)) is not None}
+    adjustments["structured_outputs"], _ = structure(request)
     try:
         adjustments["logit_bias"] = _logit_bias(request.logit_bias)  # its keys are strings in JSON
         first = SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
@@ -89,6 +90,42 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, n: int, 
         return [first] + [first.with_seed(None if request.seed is None else request.seed + i) for i in range(1, n)]
     except GenerationError as exc:
         raise bad_request(exc, fields) from None
+
+
+def field_names(request: CompletionRequest | ChatCompletionRequest,
+                fields: Mapping[str, str] | None = None) -> Mapping[str, str] | None:
+    """`fields` (the request's own names of engine arguments, for bad_request) with the structured-output field the
+    request used, if any, as the name of the engine's `structured_outputs`."""
+    _, field = structure(request)
+    return fields if field is None else {**(fields or {}), "structured_outputs": field}
+
+
+def structure(request: CompletionRequest | ChatCompletionRequest) -> tuple[dict | None, str | None]:
+    """The structure the request asks for, as StructuredOutputsParams' fields (checked there), and the request field
+    it came from; (None, None) for free text. Two fields asking for one are a 400."""
+    given = [name for name in STRUCTURED_FIELDS if getattr(request, name) is not None
+             and not (name == "response_format" and request.response_format.get("type") == "text")]
+    if len(given) > 1:
+        raise APIError(400, f"{given[0]} and {given[1]} both ask for a structured output; give one", param=given[1])
+    if not given:
+        return None, None
+    name = given[0]
+    value = getattr(request, name)
+    if name in GUIDED:
+        return {GUIDED[name]: value}, name
+    if name == "structured_outputs":
+        return value, name
+    kind = value.get("type")
+    if kind == "json_object":
+        return {"json_object": True}, name
+    if kind == "json_schema":
+        schema = value.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                           param="response_format")
+        return {"json": schema["schema"]}, name
+    raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {short(kind)}",
+                   param="response_format")
 
 
 def _logit_bias(bias: dict[str, Any] | None) -> dict[int, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -339,6 +340,38 @@ def test_bad_words_and_skip_special_tokens(client, engine):
     assert (ended.choices[0].text, ended.choices[0].finish_reason) == ("", "stop")  # the EOS that ends it: no text
 
 
+def test_structured_outputs(client, engine):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's guided_choice, guided_regex, guided_json and
+    structured_outputs: the in-process engine's text with the same structure, streamed and not, on both endpoints,
+    and the text follows the structure."""
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    expected = engine.generate(PROMPTS[0], max_new_tokens=30, chat=True, structured_outputs={"json": schema})
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "answer", "schema": schema}})
+    assert chat.choices[0].message.content == expected.text and chat.choices[0].finish_reason == "stop"
+    assert json.loads(expected.text)["answer"] in ("yes", "no")
+    for body in ({"guided_json": schema}, {"structured_outputs": {"json": schema}}):
+        same = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                              extra_body=body)
+        assert same.choices[0].message.content == expected.text, body
+    obj = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert obj.choices[0].message.content == engine.generate(PROMPTS[0], max_new_tokens=8, chat=True,
+                                                             structured_outputs={"json_object": True}).text
+    choice = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0,
+                                       extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert choice.choices[0].text in ("red", "green", "blue") and choice.choices[0].finish_reason == "stop"
+    regex = r"[0-9]{3}-[a-c]{2}"
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0, stream=True, extra_body={"guided_regex": regex}))
+    assert streamed == engine.generate(PROMPTS[1], max_new_tokens=10, structured_outputs={"regex": regex}).text
+    assert re.fullmatch(regex, streamed)
+
+
 def test_streamed_chat_usage_and_logprobs(client, engine):
     """stream_options.include_usage: every chunk has `usage: null` and a last chunk without choices has the usage of
     the unstreamed reply; streamed logprobs equal the unstreamed ones position by position."""
@@ -448,6 +481,17 @@ def error_of(response: httpx.Response) -> dict:
     ({"model": MODEL, "prompt": "x", "bad_words": ["x"], "allowed_token_ids": [104, 1792]}, 400,
      "bad_words"),  # the ids of "x" and " x"
     ({"model": MODEL, "prompt": "x", "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
+    ({"model": MODEL, "prompt": "x", "guided_regex": "a(b"}, 400, "guided_regex"),
+    ({"model": MODEL, "prompt": "x", "guided_json": {"type": "foo"}}, 400, "guided_json"),
+    ({"model": MODEL, "prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
+    ({"model": MODEL, "prompt": "x", "guided_choice": "yes"}, 400, "guided_choice"),
+    ({"model": MODEL, "prompt": "x", "guided_choice": ["a"], "min_tokens": 1}, 400, "guided_choice"),
+    ({"model": MODEL, "prompt": "x", "guided_grammar": "root ::= ("}, 400, "guided_grammar"),
+    ({"model": MODEL, "prompt": "x", "structured_outputs": {"jsn": {}}}, 400, "structured_outputs"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400,
+     "guided_regex"),
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model"),

@@ -1,0 +1,213 @@
+"""Structured outputs: the output constrained to a JSON schema, any JSON object, a regular expression, one of a list of
+strings, or a grammar (Lark, or llama.cpp's GBNF), by masking at every step the tokens the grammar cannot take next
+(vLLM's `structured_outputs`, OpenAI's `response_format`). The grammars and masks are llguidance's (an optional
+dependency, in the `serve` and `structured` extras; imported only when a request asks for a structure).
+
+A request's output ends ("stop") as soon as its grammar can take nothing more; `max_tokens` may cut it first
+("length"), as in vLLM and OpenAI's API. JSON is generated compactly (no whitespace between tokens of the syntax),
+which keeps a model from padding it with whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from fxllm.errors import GenerationError, InvalidArgumentError
+from fxllm.runtime.checks import describe, flag, strings
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_SPEC_CHARS = 65536  # a schema, regex or grammar: compiled on the server's event loop
+MAX_CHOICES = 256
+PARAM = "structured_outputs"
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of: `json` (a JSON schema: a dict, or its JSON text), `regex` (the whole output matches it),
+    `choice` (the output is one of these strings), `grammar` (Lark, or GBNF as llama.cpp writes it), `json_object`
+    (True: any JSON object). Checked at construction (types, sizes); the structure itself is compiled by the engine
+    when a request is added (a schema, regex or grammar it cannot compile is an InvalidArgumentError naming
+    `structured_outputs`). A dict is accepted where StructuredOutputsParams is (SamplingParams converts it)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if self.json is not None:
+            set_(self, "json", _schema_text(self.json))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_SPEC_CHARS):
+                raise InvalidArgumentError(PARAM, f"{name} must be a string of at most {MAX_SPEC_CHARS:,} characters, "
+                                                  f"got {describe(value)}")
+        if self.choice is not None:
+            choice = strings(PARAM, self.choice, most=MAX_CHOICES, most_chars=MAX_SPEC_CHARS)
+            if not choice or isinstance(self.choice, str):
+                raise InvalidArgumentError(PARAM, "choice must be a non-empty list of strings")
+            set_(self, "choice", choice)
+        flag("json_object", self.json_object)
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidArgumentError(PARAM, "give exactly one of " + ", ".join(KINDS)
+                                       + (f" (got {', '.join(given)})" if given else ""))
+
+    @classmethod
+    def of(cls, value: Any) -> StructuredOutputsParams | None:
+        """None, a StructuredOutputsParams, or a dict of its fields."""
+        if value is None or isinstance(value, StructuredOutputsParams):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidArgumentError(PARAM, f"{PARAM} must be a dict such as {{'json': schema}}, got "
+                                              f"{describe(value)}")
+        unknown = sorted(set(value) - set(KINDS))
+        if unknown:
+            raise InvalidArgumentError(PARAM, f"{PARAM} takes {', '.join(KINDS)}; not {', '.join(map(str, unknown))}")
+        return cls(**value)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar of this structure."""
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        compact = {"whitespace_flexible": False}
+        if self.json is not None:
+            return LLMatcher.grammar_from_json_schema(self.json, overrides=compact)
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=compact)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        try:
+            return LLMatcher.grammar_from_lark(any_to_lark(self.grammar))
+        except Exception as exc:  # its GBNF converter raises on what it cannot read
+            raise InvalidArgumentError(PARAM, f"grammar: {_first_line(exc)}") from None
+
+
+def _schema_text(schema: Any) -> str:
+    if isinstance(schema, dict):
+        try:
+            text = json.dumps(schema)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(PARAM, f"json: the schema is not JSON ({exc})") from None
+    elif isinstance(schema, str):
+        text = schema
+        try:
+            if not isinstance(json.loads(text), dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            raise InvalidArgumentError(PARAM, f"json: the schema must be a JSON object ({_first_line(exc)})") from None
+    else:
+        raise InvalidArgumentError(PARAM, f"json must be a JSON schema (a dict or its text), got {describe(schema)}")
+    if len(text) > MAX_SPEC_CHARS:
+        raise InvalidArgumentError(PARAM, f"json: the schema has {len(text):,} characters; at most {MAX_SPEC_CHARS:,}")
+    return text
+
+
+class Grammars:
+    """One model's compiler of structures: llguidance's view of the tokenizer (built on first use, ~0.3 s for a
+    49,152-token vocabulary) and each structure's compiled grammar (cached). Thread-safe: the server checks requests
+    on its event loop while the core steps."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+        self.compile = lru_cache(maxsize=64)(self._compile)
+
+    def _ll(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                try:
+                    from llguidance import LLTokenizer
+                except ImportError:
+                    raise GenerationError("structured outputs need llguidance: pip install 'fxllm[structured]'") \
+                        from None
+                backend = getattr(self._tokenizer, "backend", None)
+                if backend is None:
+                    raise GenerationError("structured outputs need the artifact's tokenizer.json tokenizer")
+                self._ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=self._vocab_size, eos_token=self._eos)
+            return self._ll_tokenizer
+
+    def _compile(self, params: StructuredOutputsParams) -> str:
+        ll_tokenizer = self._ll()  # first: without llguidance, the one-line error saying how to install it
+        from llguidance import LLMatcher
+
+        grammar = params.grammar_text()
+        error = LLMatcher.validate_grammar(grammar, ll_tokenizer)
+        if error:
+            raise InvalidArgumentError(PARAM, f"{params.kind}: {_first_line(error)}")
+        return grammar
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """A new request's matcher (InvalidArgumentError: a structure that does not compile)."""
+        return GrammarMatcher(self._ll(), self.compile(params), self._vocab_size)
+
+
+class GrammarMatcher:
+    """One request's place in its grammar: the mask of the tokens it may take next, advanced by each token the
+    request appends."""
+
+    def __init__(self, ll_tokenizer, grammar: str, vocab_size: int):
+        from llguidance import LLMatcher
+        from llguidance.numpy import allocate_token_bitmask
+
+        self._matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+        if self._matcher.is_error():
+            raise InvalidArgumentError(PARAM, _first_line(self._matcher.get_error()))
+        self._bitmask = allocate_token_bitmask(1, ll_tokenizer.vocab_size)
+        self._vocab_size = vocab_size
+
+    def mask(self, adjusted: np.ndarray, drafts: Sequence[int] = ()) -> None:
+        """Set to -inf, in place, what the grammar forbids in each row of `adjusted` [n, V]: row i after the tokens
+        appended so far and drafts[:i]. Rows after a draft the grammar refuses repeat that row's mask (a verification
+        rejects that draft, so they are never sampled from)."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        consumed = 0
+        allowed = None
+        for row in range(adjusted.shape[0]):
+            if row == 0 or consumed == row:
+                fill_next_token_bitmask(self._matcher, self._bitmask)
+                bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+                allowed = bits[:self._vocab_size].astype(bool)
+                if allowed.size < adjusted.shape[1]:
+                    allowed = np.pad(allowed, (0, adjusted.shape[1] - allowed.size))
+            adjusted[row, ~allowed] = -np.inf
+            if consumed == row and row < len(drafts) and row + 1 < adjusted.shape[0]:
+                consumed += self._matcher.try_consume_tokens([int(drafts[row])])
+        if consumed:
+            self._matcher.rollback(consumed)
+
+    def accept(self, token: int) -> None:
+        """Advance past an appended token (GenerationError if the grammar refuses it, or fails)."""
+        if not self._matcher.consume_token(int(token)):
+            raise GenerationError(f"structured output: {_first_line(self._matcher.get_error()) or 'token refused'}")
+
+    @property
+    def done(self) -> bool:
+        """Whether the grammar can take no more tokens (the output is complete)."""
+        return self._matcher.is_stopped()
+
+
+def _first_line(value: Any, most: int = 300) -> str:
+    """llguidance's message (several lines: a caret under the fault) on one line, cut to `most` characters."""
+    text = " ".join(line.strip() for line in str(value).splitlines() if line.strip())
+    return text if len(text) <= most else text[:most - 3] + "..."
