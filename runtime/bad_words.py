@@ -16,17 +16,20 @@ import numpy as np
 
 class BadWords:
     """The banned sequences of one request's bad_words. `always`: ids banned at every position (one-token words);
-    `endings`: every id some sequence can ban (the check that something is left to sample)."""
+    the longer sequences' prefixes are kept in a trie of reversed prefixes, so that the ids banned after an output
+    cost a walk back over its last tokens while they match some prefix (not a comparison per word)."""
 
     def __init__(self, sequences: Sequence[Sequence[int]]):
         self.sequences = tuple(dict.fromkeys(tuple(int(t) for t in s) for s in sequences if s))
         self.always = np.asarray(sorted({s[0] for s in self.sequences if len(s) == 1}), dtype=np.int64)
-        self._after: dict[int, dict[tuple[int, ...], set[int]]] = {}  # prefix length → prefix → banned last ids
+        self._root: _Node = _Node()
         for s in self.sequences:
             if len(s) > 1:
-                self._after.setdefault(len(s) - 1, {}).setdefault(s[:-1], set()).add(s[-1])
-        self.endings = frozenset(s[-1] for s in self.sequences)
-        self.longest_prefix = max(self._after, default=0)
+                node = self._root
+                for token in reversed(s[:-1]):
+                    node = node.children.setdefault(token, _Node())
+                node.banned.append(s[-1])
+        self.longest_prefix = max((len(s) - 1 for s in self.sequences), default=0)
 
     @classmethod
     def from_words(cls, words: Sequence[str], encode: Callable[[str], list[int]]) -> BadWords:
@@ -41,12 +44,23 @@ class BadWords:
     def banned(self, history: Sequence[int]) -> list[int]:
         """The ids the next token may not be after `history` (the output so far), beyond `always`."""
         banned: list[int] = []
-        for length, prefixes in self._after.items():
-            if len(history) >= length and (ids := prefixes.get(tuple(history[-length:]))):
-                banned += ids
+        node = self._root
+        for token in reversed(history):
+            node = node.children.get(token)
+            if node is None:
+                break
+            banned += node.banned
         return banned
 
     @property
     def conditional(self) -> bool:
         """Whether some sequence is longer than one token (its ban depends on the output)."""
-        return bool(self._after)
+        return bool(self._root.children)
+
+
+class _Node:
+    __slots__ = ("children", "banned")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.banned: list[int] = []  # the last ids of the sequences whose prefix ends here

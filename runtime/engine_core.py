@@ -123,10 +123,11 @@ class EngineCore:
         return bad_words
 
     def _check_something_to_sample(self, params: SamplingParams) -> None:
-        """min_tokens masks every id that ends the request, bad_words the ids they end with: refused when some row
-        could be left with nothing (the sampler would see a row without a finite logit, which it reports as a broken
-        model, for the whole call). Every id a bad word may ban counts as banned, whatever the output."""
-        banned = set(self.bad_words(params.bad_words).endings) if params.bad_words else set()
+        """min_tokens masks every id that ends the request, bad_words the ids they always ban: refused when nothing
+        would be left (the sampler would see a row without a finite logit, which it reports as a broken model, for
+        the whole call). What a longer bad word bans depends on the output: a row it leaves empty fails only its
+        request, at that token (LogitsAdjuster.exhausted)."""
+        banned = set(self.bad_words(params.bad_words).always.tolist()) if params.bad_words else set()
         if banned and (params.allowed_token_ids is not None and banned.issuperset(params.allowed_token_ids)
                        or len(banned) >= self.vocab_size):
             raise InvalidArgumentError("bad_words", "bad_words ban every token that could be sampled"

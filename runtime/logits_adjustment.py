@@ -1,7 +1,7 @@
-"""A request's logits before sampling: allowed_token_ids, bad_words, a structure's grammar, logit_bias and min_tokens,
-then the repetition, frequency and presence penalties (vLLM's order and formulas; OpenAI's for the last two). Temperature, min-p, top-k
-and top-p come after, in sampler.probabilities. Logprobs are reported from the logits before any of this (vLLM's
-raw logprobs)."""
+"""A request's logits before sampling: allowed_token_ids, bad_words, a structure's grammar, logit_bias and
+min_tokens, then the repetition, frequency and presence penalties (vLLM's order and formulas; OpenAI's for the last
+two). Temperature, min-p, top-k and top-p come after, in sampler.probabilities. Logprobs are reported from the logits
+before any of this (vLLM's raw logprobs)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ class LogitsAdjuster:
         if params.structured_outputs is not None and grammar is None:
             raise ValueError("params.structured_outputs given without its matcher (Grammars.matcher)")
         self._grammar = grammar
+        # bad_words with allowed_token_ids or min_tokens may leave a row nothing (the up-front check counts only the
+        # ids banned everywhere): such a row samples from the model's logits and its position fails the request
+        self._exhaustible = bad_words is not None and bool(params.bad_words) and (
+            params.allowed_token_ids is not None or params.min_tokens > 0)
+        self.exhausted: set[int] = set()  # output positions the last call left nothing to sample
         self.params = params
         self._bad_words = bad_words if params.bad_words else None
         eos = () if params.ignore_eos else tuple(eos_token_ids)
@@ -58,6 +63,8 @@ class LogitsAdjuster:
         held = params.min_tokens - len(output_ids)  # rows 0..held-1 come before the min_tokens-th token
         if held > 0 and self._stop_ids.size:
             adjusted[:held, self._stop_ids] = -np.inf
+        if self._exhaustible:
+            self._keep_rows_alive(adjusted, logits, len(output_ids))
         if not params.penalizes:
             return adjusted
         self._count(output_ids, adjusted.shape[-1])
@@ -85,6 +92,16 @@ class LogitsAdjuster:
             banned = bad_words.banned(history + [int(token) for token in drafts[:row]])
             if banned:
                 adjusted[row, banned] = -np.inf
+
+    def _keep_rows_alive(self, adjusted: np.ndarray, logits: np.ndarray, position: int) -> None:
+        """A row with no finite logit left takes the model's own (the sampler refuses a row without one, for the
+        whole call) and its position is recorded in `exhausted`: Request.append_token fails the request there."""
+        self.exhausted = set()
+        for row in range(adjusted.shape[0]):
+            left = adjusted[row] if self._allowed is None else adjusted[row, self._allowed]
+            if not np.isfinite(left).any():
+                adjusted[row] = np.asarray(logits[row], dtype=np.float32)
+                self.exhausted.add(position + row)
 
     def _count(self, output_ids: Sequence[int], vocab_size: int) -> None:
         if self._counts is None or len(output_ids) < self._counted:  # first call (or another history: recount)

@@ -105,21 +105,47 @@ def test_bad_words_are_checked(tiny_paged_artifact):
         with pytest.raises(InvalidArgumentError, match=re.escape(message)) as caught:
             engine.generate_ids([prompt], max_new_tokens=2, bad_words=words)
         assert caught.value.param == "bad_words"
-    plain = engine.generate_ids([prompt], max_new_tokens=3)[0].token_ids
-    word = engine.tokenizer.decode(plain[:1]).strip()
-    single = sorted({s[-1] for s in engine.core.bad_words((word,)).sequences})  # the ids it may ban
+    digits = [engine.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
+    assert all(engine.core.bad_words((str(d),)).always.tolist() == [digits[d]] for d in range(10))
     with pytest.raises(InvalidArgumentError, match=re.escape("bad_words ban every token that could be sampled "
                                                              "(allowed_token_ids)")) as caught:
-        engine.generate_ids([prompt], max_new_tokens=2, bad_words=[word], allowed_token_ids=single)
+        engine.generate_ids([prompt], max_new_tokens=2, bad_words=["3", "4"], allowed_token_ids=digits[3:5])
     assert caught.value.param == "bad_words"
     eos = sorted(engine.core.eos_token_ids)
     with pytest.raises(InvalidArgumentError, match="allowed_token_ids holds only end-of-sequence or stop token ids, "
                                                    r"which min_tokens \(1\) forbids for the first tokens, or ids "
                                                    "bad_words ban"):
-        engine.generate_ids([prompt], max_new_tokens=2, min_tokens=1, bad_words=[word], allowed_token_ids=single + eos)
-    result = engine.generate_ids([prompt], max_new_tokens=2, bad_words=[word], allowed_token_ids=single + eos)[0]
+        engine.generate_ids([prompt], max_new_tokens=2, min_tokens=1, bad_words=["3"],
+                            allowed_token_ids=[digits[3]] + eos)
+    result = engine.generate_ids([prompt], max_new_tokens=2, bad_words=["3"], allowed_token_ids=[digits[3]] + eos)[0]
     assert result.token_ids[0] in eos  # without min_tokens the EOS is left to sample: nothing lost
-    assert engine.generate_ids([prompt], max_new_tokens=3)[0].token_ids == plain
+    # "no digit twice in a row": each step leaves nine digits, so it is served (a ban that depends on the output
+    # is not counted up front)
+    result = engine.generate_ids([prompt], max_new_tokens=8, allowed_token_ids=digits,
+                                 bad_words=[str(d) * 2 for d in range(10)])[0]
+    assert len(result.token_ids) == 8 and set(result.token_ids) <= set(digits)
+    assert all(a != b for a, b in zip(result.token_ids, result.token_ids[1:]))
+
+
+def test_a_row_bad_words_leave_empty_fails_its_request_alone(tiny_paged_artifact):
+    """After "0" the words "00" and "01" ban both allowed digits: that request fails at its second token with a one-line
+    error, while the request batched with it runs on."""
+    engine = fxllm.load(tiny_paged_artifact)
+    prompt = engine.encode("The capital of France is")
+    zero, one = (engine.tokenizer.encode(d, add_special_tokens=False)[0] for d in ("0", "1"))
+    plain = engine.generate_ids([prompt], max_new_tokens=4)[0].token_ids
+    core = engine.core
+    core.add_request("starved", prompt, SamplingParams(max_tokens=4, allowed_token_ids=[zero, one],
+                                                       bad_words=["00", "01"], logit_bias={zero: 100.0}))
+    core.add_request("plain", prompt, SamplingParams(max_tokens=4))
+    outputs: dict[str, list] = {}
+    while core.has_unfinished():
+        for output in core.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    starved, other = outputs["starved"][-1], outputs["plain"]
+    assert starved.finish_reason == "error"
+    assert starved.error == "bad_words ban every token that allowed_token_ids (or min_tokens) leave at output token 1"
+    assert [t for out in other for t in out.new_token_ids] == plain and other[-1].finish_reason == "length"
 
 
 def test_skip_special_tokens_false_keeps_their_text(tiny_paged_artifact):

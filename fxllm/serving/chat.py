@@ -59,6 +59,7 @@ async def create_chat_completion(service: OpenAIService,
                              logprobs=top, fields=fields)
     writer = ChatWriter(service, request, len(prompt_ids), n, f"chatcmpl-{uuid.uuid4().hex}")
     choices = [Choice(i, prompt_ids, params[i]) for i in range(n)]
+    await service.prepare(choices, fields)
     try:
         run = service.start(choices, writer.id, fields)
     except APIError as exc:

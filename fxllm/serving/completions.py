@@ -61,6 +61,7 @@ async def create_completion(service: OpenAIService, request: CompletionRequest) 
         name = f"prompt[{p}]" if len(prompts) > 1 else ""
         choices += [Choice(p * n + i, prompt.token_ids, params[i], name) for i in range(n)]
     writer = CompletionWriter(service, request, prompts, n, f"cmpl-{uuid.uuid4().hex}")
+    await service.prepare(choices, fields)
     return await respond(writer, service.start(choices, writer.id, fields), bool(request.stream))
 
 

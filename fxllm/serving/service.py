@@ -211,6 +211,23 @@ class OpenAIService:
     def admitted(self) -> int:
         return self._admitted
 
+    async def prepare(self, choices: list[Choice], fields: Mapping[str, str] | None = None) -> None:
+        """The slow part of the checks, on a worker thread: the choices' bad_words tokenized and structure compiled
+        (the core caches both, so start's checks on the event loop find them ready; 256 words of 256 rare
+        characters took ~1 s of the loop). A refusal is a 400 as check_choice's."""
+        work = {(choice.params.bad_words, choice.params.structured_outputs) for choice in choices}
+
+        def run() -> None:
+            for words, structure in work:
+                self.core.bad_words(words)
+                if structure is not None:
+                    self.core.grammars.compile(structure)
+
+        try:
+            await asyncio.to_thread(run)
+        except GenerationError as exc:
+            raise bad_request(exc, fields) from None
+
     def start(self, choices: list[Choice], request_id: str, fields: Mapping[str, str] | None = None) -> GenerationRun:
         """Check every choice (a bad one refuses them all: 400; `fields` as check_choice), admit them together (429)
         and start them; returns the running GenerationRun."""
