@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import openai
 
@@ -51,6 +52,20 @@ def main() -> None:
     logprobs = scored.choices[0].logprobs
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         print(f"{token!r:>8} {logprob:7.3f}  {top}")
+
+    # Structured output: the reply follows a JSON schema (OpenAI's response_format; vLLM's guided_json,
+    # guided_regex and guided_choice work too, as extra_body fields).
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                             "country": {"type": "string", "maxLength": 40}},
+            "required": ["city", "country"], "additionalProperties": False}
+    structured = client.chat.completions.create(
+        model=model, max_tokens=40, temperature=0,
+        messages=[{"role": "user", "content": "Name the capital of France as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": city}})
+    print(json.loads(structured.choices[0].message.content))
+    choice = client.completions.create(model=model, prompt="Is Paris in France? Answer:", max_tokens=4,
+                                       temperature=0, extra_body={"guided_choice": [" yes", " no"]})
+    print(repr(choice.choices[0].text))
 
     # Many requests at once from asyncio: the server batches them continuously.
     async def together() -> list[str]:
