@@ -386,7 +386,7 @@ def _text_or_file(flag: str, value: str | None) -> str | None:
     try:
         return Path(value[1:]).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{flag} {value}: cannot read the file ({exc.strerror or exc})") from None
+        raise UsageError(f"{flag} {value}: cannot read the file ({getattr(exc, 'strerror', None) or exc})") from None
 
 
 def _logit_bias(entries: list[str]) -> dict[int, float]:

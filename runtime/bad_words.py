@@ -1,10 +1,10 @@
 """vLLM's `bad_words`: words a request must not generate, as token sequences banned at sampling time.
 
-A word becomes the token sequences of its text (leading whitespace stripped) as it would start the output and as it
-would follow a space (" word"), whichever of those differ. A one-token sequence bans its token at every position; a
-longer one bans its last token right after the output ends with the others (vLLM v1's rule: the output's tokens
-only, not the prompt's). A word spelled by other tokens than these (another split of the same text) is not caught,
-as in vLLM.
+A word becomes the token sequences of its text (leading whitespace stripped) as it would start the output and, where
+that is as many tokens starting with another one (a word token of its own), as it would follow a space (" word").
+A one-token sequence bans its token at every position; a longer one bans its last token right after the output ends
+with the others (the output's tokens only, not the prompt's). All of this is vLLM v1's rule; a word spelled by other
+tokens than these (another split of the same text) is not caught, as in vLLM.
 """
 
 from __future__ import annotations
@@ -34,11 +34,14 @@ class BadWords:
     @classmethod
     def from_words(cls, words: Sequence[str], encode: Callable[[str], list[int]]) -> BadWords:
         """`words` as SamplingParams checked them (none blank); `encode`: text → token ids without special tokens
-        (no BOS)."""
+        (no BOS). As vLLM: the spaced form is kept when it is as many tokens as the bare one and starts with another
+        token (a word token of its own, not a space token before the bare form)."""
         sequences = []
         for word in words:
-            bare = word.lstrip()
-            sequences += [encode(bare), encode(" " + bare)]
+            bare, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+            sequences.append(bare)
+            if len(spaced) == len(bare) and spaced[:1] != bare[:1]:
+                sequences.append(spaced)
         return cls(sequences)
 
     def banned(self, history: Sequence[int]) -> list[int]:

@@ -55,7 +55,7 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._counters = EngineCounters()
         # a server request's n choices, and check then new_request, tokenize one request's bad_words once
-        self._tokenized_bad_words = functools.lru_cache(maxsize=BAD_WORDS_CACHE)(self._tokenize_bad_words)
+        self._cached_bad_words = functools.lru_cache(maxsize=BAD_WORDS_CACHE)(self._tokenize_bad_words)
         self.grammars = Grammars(tokenizer, vocab_size, self.eos_token_ids)
 
     # -- requests in ------------------------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ class EngineCore:
         ids = self.check(prompt, params)
         self._check_duplicate(request_id)
         return Request(request_id, ids, params, self.tokenizer, prompt=prompt if isinstance(prompt, str) else None,
-                       eos_token_ids=self.eos_token_ids, bad_words=self.bad_words(params.bad_words),
+                       eos_token_ids=self.eos_token_ids, bad_words=self.tokenized_bad_words(params.bad_words),
                        grammar=(None if params.structured_outputs is None
                                 else self.grammars.matcher(params.structured_outputs)),
                        seq_id=next(self._seq_ids))
@@ -111,10 +111,10 @@ class EngineCore:
         self.scheduler.check_fits(len(ids), params.max_tokens)
         return ids
 
-    def bad_words(self, words: tuple[str, ...]) -> BadWords | None:
+    def tokenized_bad_words(self, words: tuple[str, ...]) -> BadWords | None:
         """bad_words' token sequences (None for none; InvalidArgumentError: an empty word, or a token outside the
         vocabulary)."""
-        return self._tokenized_bad_words(words) if words else None
+        return self._cached_bad_words(words) if words else None
 
     def _tokenize_bad_words(self, words: tuple[str, ...]) -> BadWords:
         bad_words = BadWords.from_words(words, lambda text: list(self.tokenizer.encode(text, add_special_tokens=False)))
@@ -125,9 +125,9 @@ class EngineCore:
     def _check_something_to_sample(self, params: SamplingParams) -> None:
         """min_tokens masks every id that ends the request, bad_words the ids they always ban: refused when nothing
         would be left (the sampler would see a row without a finite logit, which it reports as a broken model, for
-        the whole call). What a longer bad word bans depends on the output: a row it leaves empty fails only its
-        request, at that token (LogitsAdjuster.exhausted)."""
-        banned = set(self.bad_words(params.bad_words).always.tolist()) if params.bad_words else set()
+        the whole call). What a longer bad word bans depends on the output: a row it leaves empty ends only its
+        request, at that token (Request.starved)."""
+        banned = set(self.tokenized_bad_words(params.bad_words).always.tolist()) if params.bad_words else set()
         if banned and (params.allowed_token_ids is not None and banned.issuperset(params.allowed_token_ids)
                        or len(banned) >= self.vocab_size):
             raise InvalidArgumentError("bad_words", "bad_words ban every token that could be sampled"
@@ -247,6 +247,9 @@ class EngineCore:
         new_ids, delta, logprobs = [], "", []
         top = request.params.logprobs
         for row, token in enumerate(result.token_ids):
+            if request.starved:  # bad_words left nothing at this position: the token is not the request's
+                delta += request.finish_starved()
+                break
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = time.monotonic()
             new_ids.append(token)

@@ -26,14 +26,12 @@ class LogitsAdjuster:
             raise ValueError("params.bad_words given without their token sequences (BadWords.from_words)")
         if params.structured_outputs is not None and grammar is None:
             raise ValueError("params.structured_outputs given without its matcher (Grammars.matcher)")
-        self._grammar = grammar
-        # bad_words with allowed_token_ids or min_tokens may leave a row nothing (the up-front check counts only the
-        # ids banned everywhere): such a row samples from the model's logits and its position fails the request
-        self._exhaustible = bad_words is not None and bool(params.bad_words) and (
-            params.allowed_token_ids is not None or params.min_tokens > 0)
-        self.exhausted: set[int] = set()  # output positions the last call left nothing to sample
         self.params = params
         self._bad_words = bad_words if params.bad_words else None
+        self._grammar = grammar
+        # bad_words may leave a row nothing (with allowed_token_ids, min_tokens, or on a small vocabulary; the
+        # up-front check counts only the ids banned everywhere): the request ends there (Request.starved)
+        self.exhausted: set[int] = set()  # output positions the last call left nothing to sample
         eos = () if params.ignore_eos else tuple(eos_token_ids)
         # what min_tokens holds back: every id that would end the request
         self._stop_ids = np.asarray(sorted({*eos, *params.stop_token_ids}), dtype=np.int64)
@@ -63,7 +61,7 @@ class LogitsAdjuster:
         held = params.min_tokens - len(output_ids)  # rows 0..held-1 come before the min_tokens-th token
         if held > 0 and self._stop_ids.size:
             adjusted[:held, self._stop_ids] = -np.inf
-        if self._exhaustible:
+        if self._bad_words is not None:
             self._keep_rows_alive(adjusted, logits, len(output_ids))
         if not params.penalizes:
             return adjusted
@@ -95,7 +93,7 @@ class LogitsAdjuster:
 
     def _keep_rows_alive(self, adjusted: np.ndarray, logits: np.ndarray, position: int) -> None:
         """A row with no finite logit left takes the model's own (the sampler refuses a row without one, for the
-        whole call) and its position is recorded in `exhausted`: Request.append_token fails the request there."""
+        whole call) and its position is recorded in `exhausted`: the request ends there, its token unused."""
         self.exhausted = set()
         for row in range(adjusted.shape[0]):
             left = adjusted[row] if self._allowed is None else adjusted[row, self._allowed]

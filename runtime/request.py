@@ -11,7 +11,7 @@ from enum import Enum
 from itertools import islice
 from typing import Any
 
-from fxllm.errors import GenerationError, InvalidArgumentError
+from fxllm.errors import InvalidArgumentError
 from fxllm.runtime.bad_words import BadWords
 from fxllm.runtime.checks import describe, flag, integer, integers, real, strings
 from fxllm.runtime.detokenizer import FinalDetokenizer, IncrementalDetokenizer
@@ -318,13 +318,21 @@ class Request:
             return logits
         return self.logits_adjuster(logits, self.output_token_ids, drafts)
 
+    @property
+    def starved(self) -> bool:
+        """Whether bad_words left the next token nothing to be sampled from (with allowed_token_ids or min_tokens):
+        the request then ends (finish_starved) instead of taking the token sampled from the unmasked row."""
+        adjuster = self.logits_adjuster
+        return adjuster is not None and len(self.output_token_ids) in adjuster.exhausted
+
+    def finish_starved(self) -> str:
+        """End the request where bad_words left nothing: "stop", stop_reason "bad_words", the text so far kept."""
+        self.finish_reason, self.stop_reason = "stop", "bad_words"
+        return self.detokenizer.finish()
+
     def append_token(self, token: int, eos_token_ids: Iterable[int]) -> str:
         """Record a sampled token; returns the text that became final. Sets finish_reason when the token ends the
         request (EOS or stop token, a stop string, max_tokens); the caller then finishes it."""
-        adjuster = self.logits_adjuster
-        if adjuster is not None and len(self.output_token_ids) in adjuster.exhausted:
-            raise GenerationError("bad_words ban every token that allowed_token_ids (or min_tokens) leave at output "
-                                  f"token {len(self.output_token_ids)}")
         self.output_token_ids.append(token)
         params = self.params
         if (token in eos_token_ids and not params.ignore_eos) or token in self.stop_token_ids:

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from fxllm.errors import GenerationError, InvalidArgumentError
-from fxllm.runtime.checks import describe, flag, strings
+from fxllm.errors import GenerationError, InvalidArgumentError, MissingDependencyError
+from fxllm.runtime.checks import describe, strings, text
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
-MAX_SPEC_CHARS = 65536  # a schema, regex or grammar: compiled on the server's event loop
+MAX_SPEC_CHARS = 65536  # a schema, regex or grammar: compiled when a request is added (the server: on a worker thread)
 MAX_CHOICES = 256
 PARAM = "structured_outputs"
 
@@ -48,15 +48,20 @@ class StructuredOutputsParams:
             set_(self, "json", _schema_text(self.json))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or len(value) > MAX_SPEC_CHARS):
-                raise InvalidArgumentError(PARAM, f"{name} must be a string of at most {MAX_SPEC_CHARS:,} characters, "
-                                                  f"got {describe(value)}")
+            if value is not None:
+                text(name, value, param=PARAM)  # valid Unicode: llguidance cannot take a lone surrogate
+                if len(value) > MAX_SPEC_CHARS:
+                    raise InvalidArgumentError(PARAM, f"{name} has {len(value):,} characters; at most "
+                                                      f"{MAX_SPEC_CHARS:,}")
         if self.choice is not None:
+            if isinstance(self.choice, str):
+                raise InvalidArgumentError(PARAM, "choice must be a non-empty list of strings")
             choice = strings(PARAM, self.choice, most=MAX_CHOICES, most_chars=MAX_SPEC_CHARS)
-            if not choice or isinstance(self.choice, str):
+            if not choice:
                 raise InvalidArgumentError(PARAM, "choice must be a non-empty list of strings")
             set_(self, "choice", choice)
-        flag("json_object", self.json_object)
+        if not isinstance(self.json_object, bool):
+            raise InvalidArgumentError(PARAM, f"json_object must be True or False, got {describe(self.json_object)}")
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise InvalidArgumentError(PARAM, "give exactly one of " + ", ".join(KINDS)
@@ -70,59 +75,66 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise InvalidArgumentError(PARAM, f"{PARAM} must be a dict such as {{'json': schema}}, got "
                                               f"{describe(value)}")
-        unknown = sorted(set(value) - set(KINDS))
+        unknown = sorted(map(str, set(value) - set(KINDS)))
         if unknown:
-            raise InvalidArgumentError(PARAM, f"{PARAM} takes {', '.join(KINDS)}; not {', '.join(map(str, unknown))}")
-        return cls(**value)
+            raise InvalidArgumentError(PARAM, f"{PARAM} takes {', '.join(KINDS)}; not {', '.join(unknown)}")
+        return cls(**{kind: given for kind, given in value.items() if given is not None})  # null: not given
 
     @property
     def kind(self) -> str:
         return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
 
     def grammar_text(self) -> str:
-        """The llguidance grammar of this structure."""
+        """The llguidance grammar of this structure (InvalidArgumentError where llguidance refuses it)."""
         from llguidance import LLMatcher
         from llguidance.gbnf_to_lark import any_to_lark
 
         compact = {"whitespace_flexible": False}
-        if self.json is not None:
-            return LLMatcher.grammar_from_json_schema(self.json, overrides=compact)
-        if self.json_object:
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=compact)
-        if self.regex is not None:
-            return LLMatcher.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
         try:
+            if self.json is not None:
+                return LLMatcher.grammar_from_json_schema(self.json, overrides=compact)
+            if self.json_object:
+                return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=compact)
+            if self.regex is not None:
+                return LLMatcher.grammar_from_regex(self.regex)
+            if self.choice is not None:
+                return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
             return LLMatcher.grammar_from_lark(any_to_lark(self.grammar))
-        except Exception as exc:  # its GBNF converter raises on what it cannot read
-            raise InvalidArgumentError(PARAM, f"grammar: {_first_line(exc)}") from None
+        except Exception as exc:  # what its compilers cannot read (the GBNF converter has errors of its own type)
+            raise InvalidArgumentError(PARAM, f"{self.kind}: {_first_line(exc)}") from None
 
 
 def _schema_text(schema: Any) -> str:
+    """A schema (a dict, or its JSON text) as strict JSON text: no NaN or Infinity, valid Unicode, bounded size."""
     if isinstance(schema, dict):
         try:
-            text = json.dumps(schema)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(PARAM, f"json: the schema is not JSON ({exc})") from None
+            schema_text = json.dumps(schema, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidArgumentError(PARAM, f"json: the schema is not JSON ({_first_line(exc)})") from None
     elif isinstance(schema, str):
-        text = schema
+        schema_text = schema
         try:
-            if not isinstance(json.loads(text), dict):
+            if not isinstance(json.loads(schema_text, parse_constant=_no_constant), dict):
                 raise ValueError("not an object")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise InvalidArgumentError(PARAM, f"json: the schema must be a JSON object ({_first_line(exc)})") from None
     else:
         raise InvalidArgumentError(PARAM, f"json must be a JSON schema (a dict or its text), got {describe(schema)}")
-    if len(text) > MAX_SPEC_CHARS:
-        raise InvalidArgumentError(PARAM, f"json: the schema has {len(text):,} characters; at most {MAX_SPEC_CHARS:,}")
-    return text
+    text("json", schema_text, param=PARAM)
+    if len(schema_text) > MAX_SPEC_CHARS:
+        raise InvalidArgumentError(PARAM, f"json: the schema has {len(schema_text):,} characters; at most "
+                                          f"{MAX_SPEC_CHARS:,}")
+    return schema_text
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
 
 
 class Grammars:
     """One model's compiler of structures: llguidance's view of the tokenizer (built on first use, ~0.3 s for a
-    49,152-token vocabulary) and each structure's compiled grammar (cached). Thread-safe: the server checks requests
-    on its event loop while the core steps."""
+    49,152-token vocabulary) and each structure's matcher at its start (cached; every request gets a copy).
+    Thread-safe: the server compiles on a worker thread and adds requests on its event loop while the core steps."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
         self._tokenizer = tokenizer
@@ -138,41 +150,47 @@ class Grammars:
                 try:
                     from llguidance import LLTokenizer
                 except ImportError:
-                    raise GenerationError("structured outputs need llguidance: pip install 'fxllm[structured]'") \
-                        from None
+                    raise MissingDependencyError("structured outputs need llguidance: pip install "
+                                                 "'fxllm[structured]'") from None
                 backend = getattr(self._tokenizer, "backend", None)
                 if backend is None:
                     raise GenerationError("structured outputs need the artifact's tokenizer.json tokenizer")
                 self._ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=self._vocab_size, eos_token=self._eos)
             return self._ll_tokenizer
 
-    def _compile(self, params: StructuredOutputsParams) -> str:
+    def _compile(self, params: StructuredOutputsParams):
+        """The structure's matcher at its start, which requests copy (compiling took ~45 ms for a 49 KB schema)."""
         ll_tokenizer = self._ll()  # first: without llguidance, the one-line error saying how to install it
         from llguidance import LLMatcher
 
         grammar = params.grammar_text()
-        error = LLMatcher.validate_grammar(grammar, ll_tokenizer)
-        if error:
-            raise InvalidArgumentError(PARAM, f"{params.kind}: {_first_line(error)}")
-        return grammar
+        try:
+            matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise InvalidArgumentError(PARAM, f"{params.kind}: {_first_line(exc)}") from None
+        if matcher.is_error():
+            raise InvalidArgumentError(PARAM, f"{params.kind}: {_first_line(matcher.get_error())}")
+        return matcher
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A new request's matcher (InvalidArgumentError: a structure that does not compile)."""
-        return GrammarMatcher(self._ll(), self.compile(params), self._vocab_size)
+        prototype = self.compile(params)
+        with self._lock:  # the cached matcher is shared between threads; a copy is the request's own
+            copy = prototype.deep_copy()
+        return GrammarMatcher(copy, self._ll().vocab_size, self._vocab_size)
 
 
 class GrammarMatcher:
     """One request's place in its grammar: the mask of the tokens it may take next, advanced by each token the
     request appends."""
 
-    def __init__(self, ll_tokenizer, grammar: str, vocab_size: int):
-        from llguidance import LLMatcher
+    def __init__(self, matcher, ll_vocab_size: int, vocab_size: int):
+        """matcher: an llguidance LLMatcher of this request alone; ll_vocab_size: its tokenizer's vocabulary;
+        vocab_size: the model's (the width of its logits)."""
         from llguidance.numpy import allocate_token_bitmask
 
-        self._matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
-        if self._matcher.is_error():
-            raise InvalidArgumentError(PARAM, _first_line(self._matcher.get_error()))
-        self._bitmask = allocate_token_bitmask(1, ll_tokenizer.vocab_size)
+        self._matcher = matcher
+        self._bitmask = allocate_token_bitmask(1, ll_vocab_size)
         self._vocab_size = vocab_size
 
     def mask(self, adjusted: np.ndarray, drafts: Sequence[int] = ()) -> None:
@@ -181,20 +199,21 @@ class GrammarMatcher:
         rejects that draft, so they are never sampled from)."""
         from llguidance.numpy import fill_next_token_bitmask
 
-        consumed = 0
-        allowed = None
-        for row in range(adjusted.shape[0]):
-            if row == 0 or consumed == row:
-                fill_next_token_bitmask(self._matcher, self._bitmask)
-                bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-                allowed = bits[:self._vocab_size].astype(bool)
-                if allowed.size < adjusted.shape[1]:
-                    allowed = np.pad(allowed, (0, adjusted.shape[1] - allowed.size))
-            adjusted[row, ~allowed] = -np.inf
-            if consumed == row and row < len(drafts) and row + 1 < adjusted.shape[0]:
-                consumed += self._matcher.try_consume_tokens([int(drafts[row])])
-        if consumed:
-            self._matcher.rollback(consumed)
+        consumed = 0  # drafts the matcher has taken, each moving it one row on
+        try:
+            for row in range(adjusted.shape[0]):
+                if consumed == row:
+                    fill_next_token_bitmask(self._matcher, self._bitmask)
+                    bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+                    allowed = bits[:self._vocab_size].astype(bool)
+                    if allowed.size < adjusted.shape[1]:
+                        allowed = np.pad(allowed, (0, adjusted.shape[1] - allowed.size))
+                adjusted[row, ~allowed] = -np.inf
+                if consumed == row and row < len(drafts) and row + 1 < adjusted.shape[0]:
+                    consumed += self._matcher.try_consume_tokens([int(drafts[row])])
+        finally:  # the matcher follows the appended tokens only
+            if consumed:
+                self._matcher.rollback(consumed)
 
     def accept(self, token: int) -> None:
         """Advance past an appended token (GenerationError if the grammar refuses it, or fails)."""

@@ -41,14 +41,20 @@ def test_a_sequence_bans_its_last_token_after_the_rest_row_by_row():
 
 
 def test_words_become_their_bare_and_spaced_token_sequences(tiny_paged_artifact):
+    """vLLM's rule: the bare form always; the spaced one where it is as many tokens and starts with another token."""
     tokenizer = fxllm.load(tiny_paged_artifact).tokenizer
 
     def encode(text):
         return tokenizer.encode(text, add_special_tokens=False)
 
-    bad = BadWords.from_words(("  Paris", "hello world"), encode)
-    expected = [encode("Paris"), encode(" Paris"), encode("hello world"), encode(" hello world")]
+    words = ("  Paris", "hello world", "\u4e00\u4e8c\u4e09")
+    expected = []
+    for word in words:
+        bare, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+        expected += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+    bad = BadWords.from_words(words, encode)
     assert [list(s) for s in bad.sequences] == [s for i, s in enumerate(expected) if s not in expected[:i]]
+    assert [encode("Paris"), encode(" Paris")] == [list(s) for s in bad.sequences[:2]]  # both one token here
     assert bad.conditional == any(len(s) > 1 for s in expected)
 
 
@@ -63,7 +69,7 @@ def test_greedy_tokens_with_bad_words_match_a_loop_by_hand(kind, make_tiny_artif
     plain = engine.generate_ids(prompts, max_new_tokens=16)
     words = [engine.tokenizer.decode(plain[0].token_ids[2:3]).strip() or "x",
              engine.tokenizer.decode(plain[1].token_ids[3:6]).strip() or "y"]
-    sequences = [list(s) for s in engine.core.bad_words(tuple(words)).sequences]
+    sequences = [list(s) for s in engine.core.tokenized_bad_words(tuple(words)).sequences]
     favoured = prompts[1][-1]
     results = engine.generate_ids(prompts, max_new_tokens=16, bad_words=words, logit_bias={favoured: 3.0})
     for prompt, result in zip(prompts, results):
@@ -85,12 +91,16 @@ def test_sampled_requests_never_produce_a_banned_token(tiny_paged_artifact):
     engine = fxllm.load(tiny_paged_artifact)
     prompt = engine.encode("The capital of France is")
     plain = engine.generate_ids([prompt] * 8, max_new_tokens=12, temperature=1.0, seed=0)
-    common = max({t for r in plain for t in r.token_ids}, key=lambda t: sum(r.token_ids.count(t) for r in plain))
-    word = engine.tokenizer.decode([common]).strip()
-    banned = {s[0] for s in engine.core.bad_words((word,)).sequences if len(s) == 1}
-    assert common in banned or not word  # a token's own text tokenizes back to it here
+    counts = {}
+    for result in plain:
+        for token in result.token_ids:
+            counts[token] = counts.get(token, 0) + 1
+    # the most frequent token that is a whole word's one-token form
+    word, token = next((w, t) for t in sorted(counts, key=counts.get, reverse=True)
+                       if (w := engine.tokenizer.decode([t]).strip())
+                       and (t,) in engine.core.tokenized_bad_words((w,)).sequences)
     results = engine.generate_ids([prompt] * 8, max_new_tokens=12, temperature=1.0, seed=0, bad_words=[word])
-    assert all(not banned & set(r.token_ids) for r in results)
+    assert all(token not in r.token_ids for r in results) and any(token in r.token_ids for r in plain)
 
 
 def test_bad_words_are_checked(tiny_paged_artifact):
@@ -106,7 +116,7 @@ def test_bad_words_are_checked(tiny_paged_artifact):
             engine.generate_ids([prompt], max_new_tokens=2, bad_words=words)
         assert caught.value.param == "bad_words"
     digits = [engine.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
-    assert all(engine.core.bad_words((str(d),)).always.tolist() == [digits[d]] for d in range(10))
+    assert all(engine.core.tokenized_bad_words((str(d),)).always.tolist() == [digits[d]] for d in range(10))
     with pytest.raises(InvalidArgumentError, match=re.escape("bad_words ban every token that could be sampled "
                                                              "(allowed_token_ids)")) as caught:
         engine.generate_ids([prompt], max_new_tokens=2, bad_words=["3", "4"], allowed_token_ids=digits[3:5])
@@ -127,9 +137,9 @@ def test_bad_words_are_checked(tiny_paged_artifact):
     assert all(a != b for a, b in zip(result.token_ids, result.token_ids[1:]))
 
 
-def test_a_row_bad_words_leave_empty_fails_its_request_alone(tiny_paged_artifact):
-    """After "0" the words "00" and "01" ban both allowed digits: that request fails at its second token with a one-line
-    error, while the request batched with it runs on."""
+def test_a_row_bad_words_leave_empty_ends_its_request_alone(tiny_paged_artifact):
+    """After "0" the words "00" and "01" ban both allowed digits: that request ends there ("stop", stop_reason
+    "bad_words", its text kept), while the request batched with it runs on."""
     engine = fxllm.load(tiny_paged_artifact)
     prompt = engine.encode("The capital of France is")
     zero, one = (engine.tokenizer.encode(d, add_special_tokens=False)[0] for d in ("0", "1"))
@@ -142,9 +152,10 @@ def test_a_row_bad_words_leave_empty_fails_its_request_alone(tiny_paged_artifact
     while core.has_unfinished():
         for output in core.step():
             outputs.setdefault(output.request_id, []).append(output)
-    starved, other = outputs["starved"][-1], outputs["plain"]
-    assert starved.finish_reason == "error"
-    assert starved.error == "bad_words ban every token that allowed_token_ids (or min_tokens) leave at output token 1"
+    starved, other = outputs["starved"], outputs["plain"]
+    assert (starved[-1].finish_reason, starved[-1].stop_reason, starved[-1].error) == ("stop", "bad_words", None)
+    assert [t for out in starved for t in out.new_token_ids] == [zero]
+    assert "".join(out.text_delta for out in starved) == "0"
     assert [t for out in other for t in out.new_token_ids] == plain and other[-1].finish_reason == "length"
 
 

@@ -24,6 +24,14 @@ REPEATED = {"type": "array", "items": {"enum": ["yes", "no"]}, "minItems": 8, "m
 GBNF = 'root ::= "The answer is " ("A" | "B" | "C") "."'
 
 
+def _nested(depth: int) -> dict:
+    """An array schema nested `depth` deep (llguidance's compiler stops at its recursion limit)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_paged_artifact):
     return fxllm.load(tiny_paged_artifact)
@@ -47,6 +55,9 @@ def test_each_kind_of_structure_is_followed(engine):
     assert result.text.startswith("{")  # a random model may not close it within 24 tokens
     if result.finish_reason == "stop":
         assert isinstance(json.loads(result.text), dict)
+    nulls = engine.generate(prompt, max_new_tokens=20, structured_outputs={"choice": ["red", "green"], "json": None,
+                                                                          "json_object": None})  # a vLLM client's
+    assert nulls.text in ("red", "green")
     free = engine.generate(prompt, max_new_tokens=12)
     assert not free.text.startswith("{")  # the structure made the difference
 
@@ -93,9 +104,9 @@ def test_sampled_outputs_follow_the_structure(engine):
                                   structured_outputs={"json": ANSWER})
     values = [json.loads(r.text) for r in results]
     assert all(v["answer"] in ("yes", "no") and 0 <= v["n"] <= 99 for v in values)
-    seeded = engine.generate_ids([prompt], max_new_tokens=30, temperature=1.0, seed=5, structured_outputs={"json": ANSWER})
-    again = engine.generate_ids([prompt], max_new_tokens=30, temperature=1.0, seed=5, structured_outputs={"json": ANSWER})
-    assert seeded[0].token_ids == again[0].token_ids
+    options = dict(max_new_tokens=30, temperature=1.0, seed=5, structured_outputs={"json": ANSWER})
+    first, again = (engine.generate_ids([prompt], **options)[0].token_ids for _ in range(2))
+    assert first == again
 
 
 @pytest.mark.parametrize("structure, says", [
@@ -109,6 +120,12 @@ def test_sampled_outputs_follow_the_structure(engine):
     ({"choice": "yes"}, "choice must be a non-empty list of strings"),
     ({"jsn": {}}, "structured_outputs takes json, regex, choice, grammar, json_object; not jsn"),
     ("json", "structured_outputs must be a dict"),
+    ({"json": {"type": "number", "maximum": float("nan")}}, "json: the schema is not JSON (Out of range float"),
+    ({"json": '{"type": "number", "maximum": NaN}'}, "json: the schema must be a JSON object (NaN is not JSON)"),
+    ({"regex": "a\ud800"}, "regex is not valid Unicode: a lone surrogate"),
+    ({"json": {"type": "string", "pattern": "\udc80"}}, "surrogate"),  # json.dumps writes it as an escape
+    ({"json_object": 1}, "json_object must be True or False, got int 1"),
+    ({"json": _nested(300)}, "json: "),
 ])
 def test_bad_structures_are_one_line_errors_that_lose_nothing(engine, structure, says):
     prompt = engine.encode("x")
@@ -130,12 +147,12 @@ def test_without_llguidance_a_structure_is_a_one_line_error(tiny_paged_artifact,
     requests without one are served."""
     import sys
 
-    from fxllm.errors import GenerationError
+    from fxllm.errors import MissingDependencyError
 
     monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance raises ImportError
     engine = fxllm.load(tiny_paged_artifact)
     prompt = engine.encode("x")
-    with pytest.raises(GenerationError, match=re.escape("structured outputs need llguidance: pip install "
+    with pytest.raises(MissingDependencyError, match=re.escape("structured outputs need llguidance: pip install "
                                                         "'fxllm[structured]'")):
         engine.generate_ids([prompt], max_new_tokens=3, structured_outputs={"choice": ["a", "b"]})
     assert engine.generate_ids([prompt], max_new_tokens=2)[0].token_ids

@@ -219,7 +219,7 @@ class OpenAIService:
 
         def run() -> None:
             for words, structure in work:
-                self.core.bad_words(words)
+                self.core.tokenized_bad_words(words)
                 if structure is not None:
                     self.core.grammars.compile(structure)
 

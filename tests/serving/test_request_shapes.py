@@ -231,8 +231,8 @@ def test_a_value_nested_too_deeply_for_the_template_is_a_400_naming_its_field(lo
     ("use_beam_search", True, False), ("guided_whitespace_pattern", " ", None),
 ])
 def test_a_vllm_extension_fxllm_lacks_is_refused_unless_at_its_default(loaded, field, value, default):
-    """A vLLM client's `use_beam_search` (or guided_whitespace_pattern) is not silently ignored: a 400 naming it, on both endpoints;
-    its default (or null) changes nothing and is accepted."""
+    """A vLLM client's `use_beam_search` (or guided_whitespace_pattern) is not silently ignored: a 400 naming it, on
+    both endpoints; its default (or null) changes nothing and is accepted."""
     chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     refused = ask(loaded, [{"method": "POST", "url": "/v1/completions", "json": {**OK, field: value}},
                            {"method": "POST", "url": "/v1/chat/completions", "json": {**chat, field: value}},
