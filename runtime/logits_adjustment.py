@@ -56,7 +56,7 @@ class LogitsAdjuster:
         if self._bad_words is not None:
             self._ban(adjusted, output_ids, drafts)
         if self._grammar is not None:  # the matcher follows output_ids: Request.append_token advances it
-            self._grammar.mask(adjusted, drafts)
+            self._grammar.mask(adjusted, drafts, len(output_ids))
         adjusted[:, self._bias_ids] += self._biases
         held = params.min_tokens - len(output_ids)  # rows 0..held-1 come before the min_tokens-th token
         if held > 0 and self._stop_ids.size:

@@ -333,6 +333,8 @@ class Request:
     def append_token(self, token: int, eos_token_ids: Iterable[int]) -> str:
         """Record a sampled token; returns the text that became final. Sets finish_reason when the token ends the
         request (EOS or stop token, a stop string, max_tokens); the caller then finishes it."""
+        if self.grammar is not None:
+            self.grammar.check_position(len(self.output_token_ids))
         self.output_token_ids.append(token)
         params = self.params
         if (token in eos_token_ids and not params.ignore_eos) or token in self.stop_token_ids:

@@ -140,6 +140,9 @@ class Grammars:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
+        # special tokens are never a structure's text (llguidance would let <|im_end|> spell itself, which the
+        # request then reads as its end); only the EOS, and only as the end of a complete structure
+        self._special = sorted(set(getattr(tokenizer, "all_special_ids", ())) | set(self._eos))
         self._ll_tokenizer = None
         self._lock = threading.Lock()
         self.compile = lru_cache(maxsize=64)(self._compile)
@@ -168,8 +171,15 @@ class Grammars:
             matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise InvalidArgumentError(PARAM, f"{params.kind}: {_first_line(exc)}") from None
+        # the first step: limits a structure hits at once, a language with no text, a special token's text
+        first = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
         if matcher.is_error():
-            raise InvalidArgumentError(PARAM, f"{params.kind}: {_first_line(matcher.get_error())}")
+            error = _first_line(matcher.get_error())
+            raise InvalidArgumentError(PARAM, f"{params.kind}: " + (error if " " in error else
+                                                                     f"no text matches it ({error})"))
+        if not matcher.is_accepting() and set(np.flatnonzero(first).tolist()) <= set(self._special):
+            raise InvalidArgumentError(PARAM, f"{params.kind}: it starts with a special token's text (such as "
+                                              "<|im_end|>), which is never generated as text")
         return matcher
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
@@ -177,29 +187,35 @@ class Grammars:
         prototype = self.compile(params)
         with self._lock:  # the cached matcher is shared between threads; a copy is the request's own
             copy = prototype.deep_copy()
-        return GrammarMatcher(copy, self._ll().vocab_size, self._vocab_size)
+        return GrammarMatcher(copy, self._ll().vocab_size, self._vocab_size, self._special, self._eos)
 
 
 class GrammarMatcher:
     """One request's place in its grammar: the mask of the tokens it may take next, advanced by each token the
     request appends."""
 
-    def __init__(self, matcher, ll_vocab_size: int, vocab_size: int):
+    def __init__(self, matcher, ll_vocab_size: int, vocab_size: int, special_ids: Sequence[int] = (),
+                 eos_ids: Sequence[int] = ()):
         """matcher: an llguidance LLMatcher of this request alone; ll_vocab_size: its tokenizer's vocabulary;
-        vocab_size: the model's (the width of its logits)."""
+        vocab_size: the model's (the width of its logits); special_ids: masked as text (the EOS ids, `eos_ids`,
+        stay allowed where the structure is complete)."""
         from llguidance.numpy import allocate_token_bitmask
 
         self._matcher = matcher
         self._bitmask = allocate_token_bitmask(1, ll_vocab_size)
         self._vocab_size = vocab_size
+        self._special = np.asarray([i for i in special_ids if i < vocab_size], dtype=np.int64)
+        self._special_text = np.asarray([i for i in self._special if i not in set(eos_ids)], dtype=np.int64)
+        self.special_only: set[int] = set()  # output positions the last mask left only special-token text
 
-    def mask(self, adjusted: np.ndarray, drafts: Sequence[int] = ()) -> None:
+    def mask(self, adjusted: np.ndarray, drafts: Sequence[int] = (), position: int = 0) -> None:
         """Set to -inf, in place, what the grammar forbids in each row of `adjusted` [n, V]: row i after the tokens
         appended so far and drafts[:i]. Rows after a draft the grammar refuses repeat that row's mask (a verification
         rejects that draft, so they are never sampled from)."""
         from llguidance.numpy import fill_next_token_bitmask
 
         consumed = 0  # drafts the matcher has taken, each moving it one row on
+        self.special_only = set()
         try:
             for row in range(adjusted.shape[0]):
                 if consumed == row:
@@ -208,12 +224,34 @@ class GrammarMatcher:
                     allowed = bits[:self._vocab_size].astype(bool)
                     if allowed.size < adjusted.shape[1]:
                         allowed = np.pad(allowed, (0, adjusted.shape[1] - allowed.size))
+                    if not self._no_special_text(allowed):
+                        self.special_only.add(position + row)
                 adjusted[row, ~allowed] = -np.inf
                 if consumed == row and row < len(drafts) and row + 1 < adjusted.shape[0]:
                     consumed += self._matcher.try_consume_tokens([int(drafts[row])])
         finally:  # the matcher follows the appended tokens only
             if consumed:
                 self._matcher.rollback(consumed)
+
+    def _no_special_text(self, allowed: np.ndarray) -> bool:
+        """Clear the special tokens the structure allows as text (all of them, the EOS included, while it is not
+        complete). False, and `allowed` left as it was, when nothing else is allowed: the structure's text is a
+        special token there (llguidance reads "<|im_end|>" in a grammar as that token)."""
+        blocked = self._special_text if self._matcher.is_accepting() else self._special
+        if blocked.size and allowed[blocked].any():
+            kept = allowed[blocked].copy()
+            allowed[blocked] = False
+            if not allowed.any():
+                allowed[blocked] = kept
+                return False
+        return True
+
+    def check_position(self, position: int) -> None:
+        """GenerationError where the last mask found only special-token text (Request.append_token asks before it
+        reads the token, which may be the EOS)."""
+        if position in self.special_only:
+            raise GenerationError("structured output: the structure asks for a special token's text (such as "
+                                  "<|im_end|>) here, which is never generated as text")
 
     def accept(self, token: int) -> None:
         """Advance past an appended token (GenerationError if the grammar refuses it, or fails)."""
@@ -227,6 +265,7 @@ class GrammarMatcher:
 
 
 def _first_line(value: Any, most: int = 300) -> str:
-    """llguidance's message (several lines: a caret under the fault) on one line, cut to `most` characters."""
-    text = " ".join(line.strip() for line in str(value).splitlines() if line.strip())
+    """llguidance's message (several lines: a caret under the fault) on one line, without the parser state it may
+    append, cut to `most` characters."""
+    text = " ".join(line.strip() for line in str(value).split("<state>")[0].splitlines() if line.strip())
     return text if len(text) <= most else text[:most - 3] + "..."

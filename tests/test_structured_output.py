@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fxllm
-from fxllm.errors import InvalidArgumentError
+from fxllm.errors import GenerationError, InvalidArgumentError
 from fxllm.runtime.request import SamplingParams
 from fxllm.runtime.structured_output import StructuredOutputsParams
 
@@ -126,6 +126,9 @@ def test_sampled_outputs_follow_the_structure(engine):
     ({"json": {"type": "string", "pattern": "\udc80"}}, "surrogate"),  # json.dumps writes it as an escape
     ({"json_object": 1}, "json_object must be True or False, got int 1"),
     ({"json": _nested(300)}, "json: "),
+    ({"regex": "[^\\s\\S]"}, "regex: no text matches it"),
+    ({"grammar": 'start: start "a"'}, "grammar: no text matches it"),
+    ({"choice": ["<|im_end|>"]}, "choice: it starts with a special token's text"),
 ])
 def test_bad_structures_are_one_line_errors_that_lose_nothing(engine, structure, says):
     prompt = engine.encode("x")
@@ -156,3 +159,13 @@ def test_without_llguidance_a_structure_is_a_one_line_error(tiny_paged_artifact,
                                                         "'fxllm[structured]'")):
         engine.generate_ids([prompt], max_new_tokens=3, structured_outputs={"choice": ["a", "b"]})
     assert engine.generate_ids([prompt], max_new_tokens=2)[0].token_ids
+
+
+def test_a_special_tokens_text_inside_a_structure_fails_the_request_not_the_structure(engine):
+    """llguidance reads "<|im_end|>" in a structure as that token, which would end the request mid-structure: the
+    request fails with a one-line error instead of returning half a JSON as a finished reply."""
+    eos_text = engine.tokenizer.decode(sorted(engine.core.eos_token_ids)[:1], skip_special_tokens=False)
+    schema = {"type": "object", "properties": {"a": {"const": eos_text}}, "required": ["a"]}
+    with pytest.raises(GenerationError, match="the structure asks for a special token's text"):
+        engine.generate("x", max_new_tokens=20, structured_outputs={"json": schema})
+    assert engine.generate("x", max_new_tokens=2).token_ids  # the engine serves on
