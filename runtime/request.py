@@ -320,8 +320,9 @@ class Request:
 
     @property
     def starved(self) -> bool:
-        """Whether bad_words left the next token nothing to be sampled from (with allowed_token_ids or min_tokens):
-        the request then ends (finish_starved) instead of taking the token sampled from the unmasked row."""
+        """Whether bad_words left the next token nothing to be sampled from (with allowed_token_ids, min_tokens, or
+        on a small vocabulary): the request then ends (finish_starved) instead of taking the token sampled from the
+        unmasked row."""
         adjuster = self.logits_adjuster
         return adjuster is not None and len(self.output_token_ids) in adjuster.exhausted
 
